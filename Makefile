@@ -1,0 +1,28 @@
+# The README's two commands: `make run` (set up, then run the main job) and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.ringray-installed
+
+.PHONY: setup run test lint bench clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	# torch first, pinned, so the CPU build is kept (a bare `torch` pulls CUDA packages).
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+## The main job: until the trainer lands, the ring-attention benchmark on 4 local gloo ranks.
+run: $(STAMP)
+	$(VENV)/bin/ringray bench ring
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check ringray tests benchmarks examples
+
+test: lint
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

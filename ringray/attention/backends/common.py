@@ -1,0 +1,27 @@
+"""Helpers shared by the block-attention backends."""
+
+from __future__ import annotations
+
+import torch
+
+
+def expand_kv_heads(x: torch.Tensor, q_heads: int) -> torch.Tensor:
+    """Repeat kv heads so each query head has its own copy (GQA/MQA for kernels that lack it)."""
+    groups = q_heads // x.shape[1]
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def reduce_kv_heads(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Sum per-query-head K/V gradients back onto their shared kv head."""
+    b, h, s, d = grad.shape
+    return grad if h == kv_heads else grad.view(b, kv_heads, h // kv_heads, s, d).sum(2)
+
+
+def position_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``(Sq, Sk)`` bool: True where query may see key (``q_pos >= k_pos``)."""
+    return q_pos.to(device)[:, None] >= k_pos.to(device)[None, :]
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; everything else accumulates in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32

@@ -1,0 +1,214 @@
+"""Ring attention: exact attention over a sequence split across the ranks of a process group.
+
+    out = ring_attention(q, k, v, group, layout="zigzag", causal=True)
+
+``q`` is ``(batch, local_seq, q_heads, head_dim)``, ``k``/``v`` are
+``(batch, local_seq, kv_heads, head_dim)``: this rank's tokens, in the layout's local order
+(see :mod:`ringray.attention.layouts`). The result equals attention over the whole sequence,
+restricted to this rank's queries.
+
+Forward: at step t this rank holds the K/V block that started on rank (r - t) mod N. The
+next block's send/receive is posted before the step's compute and waited for after it, so
+the transfer hides behind the compute. Each step's pieces (see
+:mod:`ringray.attention.plan`) go to the local kernel and merge into float32 (out, LSE)
+accumulators with the online-softmax rule.
+
+Backward: the forward ends holding block r + 1, and the backward starts there, rotating K/V
+the *other* way (receive from r + 1, send to r - 1): at step t it holds block (r + 1 + t)
+mod N, so the last step is this rank's own block. Each block's float32 dK/dV partial sum
+travels with it and, after N steps, is complete on its owner, so there is no final
+"return the gradients" hop left exposed after the last compute. The price is keeping the
+forward's last K/V block alive until the backward (one block at the kv-head count).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import torch.distributed as dist
+
+from ringray.attention.backends import BlockAttentionBackend
+from ringray.attention.backends.common import accumulation_dtype
+from ringray.attention.comm import PendingExchange, RingComm
+from ringray.attention.layouts import Layout
+from ringray.attention.merge import merge_into
+from ringray.attention.plan import Piece, PieceKind, RankPlan, plan_rank
+from ringray.attention.stats import NULL_TIMER, RingStats, StepTimer
+from ringray.attention.validation import CheckedCall, agree_across_ranks, check_local
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    *,
+    layout: str | Layout | list[list[int]] = "zigzag",
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    backend: str = "auto",
+    return_lse: bool = False,
+    stats: RingStats | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Exact (causal) attention of this rank's queries over the whole ring's keys.
+
+    Args:
+        q: ``(batch, local_seq, q_heads, head_dim)``.
+        k, v: ``(batch, local_seq, kv_heads, head_dim)``; ``q_heads % kv_heads == 0``.
+        group: the context-parallel process group; ``None`` is the default group (or a
+            single process when ``torch.distributed`` is not initialised).
+        layout: ``"zigzag"``, ``"striped"``, ``"contiguous"``, a :class:`Layout`, or one
+            list of global positions per rank.
+        causal: apply ``q_pos >= k_pos`` on global positions.
+        softmax_scale: defaults to ``head_dim ** -0.5``.
+        backend: local kernel: ``"auto"``, ``"sdpa"`` or ``"reference"``.
+        return_lse: also return the natural-log LSE, ``(batch, q_heads, local_seq)``
+            float32 (not differentiable).
+        stats: a :class:`RingStats` that receives one record per ring step.
+
+    Raises:
+        ValueError: on a bad argument (naming it), or when another rank of the ring
+            rejected its inputs. Raised before any K/V block is sent.
+    """
+    comm = RingComm(group)
+    checked: CheckedCall | None = None
+    error: ValueError | None = None
+    try:
+        checked = check_local(q, k, v, comm, layout, causal, softmax_scale, backend)
+    except ValueError as exc:
+        error = exc
+    agree_across_ranks(comm, checked, q.device if isinstance(q, torch.Tensor) else None)
+    if error is not None:
+        raise error
+    out, lse = _RingAttention.apply(
+        q, k, v, comm, checked.layout, causal, checked.scale, checked.kernel, stats
+    )
+    return (out, lse) if return_lse else out
+
+
+@lru_cache(maxsize=256)
+def _plan(layout: Layout, rank: int, causal: bool) -> RankPlan:
+    return plan_rank(layout, rank, causal)
+
+
+def _kernel_args(piece: Piece, layout: Layout, q_rank: int, k_rank: int) -> dict:
+    positions = {}
+    if piece.kind is PieceKind.MASKED:
+        positions = {
+            "q_pos": layout.positions(q_rank)[piece.q_start : piece.q_end],
+            "k_pos": layout.positions(k_rank)[piece.k_start : piece.k_end],
+        }
+    return {"kind": piece.kind, **positions}
+
+
+def _timer(stats: RingStats | None, device: torch.device) -> StepTimer:
+    return stats.timer(device) if stats is not None else NULL_TIMER
+
+
+def _finish_step(
+    stats: RingStats | None, phase: str, step: int, timer: StepTimer,
+    pending: PendingExchange | None,
+) -> None:
+    timer.end_compute()
+    if pending is not None:
+        pending.wait()
+    timer.end_wait()
+    if stats is not None:
+        stats.add(phase, step, timer, pending.bytes_sent if pending is not None else 0)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, comm: RingComm, layout: Layout, causal: bool, scale: float,
+                kernel: BlockAttentionBackend, stats: RingStats | None):
+        rank, world = comm.rank, comm.world_size
+        plan = _plan(layout, rank, causal)
+        acc = accumulation_dtype(q.dtype)
+        batch, seq, q_heads, head_dim = q.shape
+        q_t = q.transpose(1, 2)
+        # K and V travel together as one contiguous (2, B, kv_heads, S, D) buffer.
+        kv_block = torch.stack((k.transpose(1, 2), v.transpose(1, 2)))
+        kv_incoming = torch.empty_like(kv_block) if world > 1 else None
+        out = torch.zeros(batch, q_heads, seq, head_dim, dtype=acc, device=q.device)
+        lse = torch.full((batch, q_heads, seq), float("-inf"), dtype=acc, device=q.device)
+        touched = torch.zeros(seq, dtype=torch.bool)  # rows that hold a partial result yet
+
+        for step in range(world):
+            source = (rank - step) % world
+            timer = _timer(stats, q.device)
+            pending = comm.exchange([kv_block], [kv_incoming]) if step < world - 1 else None
+            timer.start_compute()
+            for piece in plan.pieces[source]:
+                rows, keys = slice(piece.q_start, piece.q_end), slice(piece.k_start, piece.k_end)
+                block_out, block_lse = kernel.forward(
+                    q_t[:, :, rows], kv_block[0][:, :, keys], kv_block[1][:, :, keys],
+                    scale=scale, **_kernel_args(piece, layout, rank, source),
+                )
+                if touched[rows].any():
+                    merge_into(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+                else:  # first result for these rows: nothing to merge with
+                    out[:, :, rows] = block_out
+                    lse[:, :, rows] = block_lse
+                    touched[rows] = True
+            _finish_step(stats, "forward", step, timer, pending)
+            if pending is not None:
+                kv_block, kv_incoming = kv_incoming, kv_block
+
+        result = out.to(q.dtype).transpose(1, 2).contiguous()
+        ctx.save_for_backward(q, result, lse, kv_block)
+        ctx.ring = (comm, layout, causal, scale, kernel, stats, k.dtype)
+        ctx.mark_non_differentiable(lse)
+        return result, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, out, lse, kv_block = ctx.saved_tensors
+        comm, layout, causal, scale, kernel, stats, kv_dtype = ctx.ring
+        rank, world = comm.rank, comm.world_size
+        plan = _plan(layout, rank, causal)
+        acc = accumulation_dtype(q.dtype)
+        q_t, out_t, dout_t = q.transpose(1, 2), out.transpose(1, 2), dout.transpose(1, 2)
+        dq = torch.zeros(q_t.shape, dtype=acc, device=q.device)
+        grad_shape = (2, *kv_block.shape[1:])
+        dkv_partial = torch.zeros(grad_shape, dtype=acc, device=q.device)  # block being done
+        dkv_done = torch.zeros_like(dkv_partial) if world > 1 else None  # previous block's
+        dkv_incoming = torch.empty_like(dkv_partial) if world > 1 else None
+        kv_spare = [torch.empty_like(kv_block), torch.empty_like(kv_block)] if world > 1 else []
+
+        for step in range(world):
+            block = (rank + 1 + step) % world
+            timer = _timer(stats, q.device)
+            send, recv = [], []
+            if step < world - 1:
+                kv_next = kv_spare[step % 2]
+                send.append(kv_block)
+                recv.append(kv_next)
+            if step > 0:  # hand the previous block's partial sum to the rank that needs it next
+                send.append(dkv_done)
+                recv.append(dkv_incoming)
+            pending = comm.exchange(send, recv, reverse=True) if send else None
+            timer.start_compute()
+            dkv_partial.zero_()
+            for piece in plan.pieces[block]:
+                rows, keys = slice(piece.q_start, piece.q_end), slice(piece.k_start, piece.k_end)
+                dq_piece, dk_piece, dv_piece = kernel.backward(
+                    dout_t[:, :, rows], q_t[:, :, rows],
+                    kv_block[0][:, :, keys], kv_block[1][:, :, keys],
+                    out_t[:, :, rows], lse[:, :, rows],
+                    scale=scale, **_kernel_args(piece, layout, rank, block),
+                )
+                dq[:, :, rows] += dq_piece
+                dkv_partial[0][:, :, keys] += dk_piece
+                dkv_partial[1][:, :, keys] += dv_piece
+            _finish_step(stats, "backward", step, timer, pending)
+            if step > 0:
+                dkv_partial += dkv_incoming
+            if step < world - 1:
+                kv_block = kv_next
+            dkv_partial, dkv_done = (dkv_done, dkv_partial) if world > 1 else (dkv_partial, None)
+
+        own = dkv_done if world > 1 else dkv_partial
+        dk = own[0].transpose(1, 2).to(kv_dtype)
+        dv = own[1].transpose(1, 2).to(kv_dtype)
+        return dq.transpose(1, 2).to(q.dtype), dk, dv, None, None, None, None, None, None

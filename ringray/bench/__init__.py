@@ -1,0 +1,1 @@
+"""Benchmarks that print the figures the issues ask for (``ringray bench ...``)."""

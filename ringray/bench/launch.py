@@ -1,0 +1,103 @@
+"""Start N local processes joined by a gloo process group over loopback, and collect results.
+
+    results = run_gloo_ranks(4, module.fn, arg, timeout_seconds=600)
+
+``fn(rank, world_size, *args)`` runs on each rank after ``init_process_group("gloo")``;
+return values come back in rank order. A rank that raises is reported with its traceback;
+a run that does not finish in time is killed (only the processes started here) and reported
+as a hang naming the ranks that never answered. ``fn`` must be importable by name. Used by
+the benchmarks and by the multi-process tests.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any
+
+
+class RanksFailed(RuntimeError):
+    """One or more ranks raised, hung or died."""
+
+
+def free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _entry(rank, world_size, port, fn, args, results, threads) -> None:
+    # Keep gloo's connections on loopback: these are single-machine runs.
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+            world_size=world_size, timeout=timedelta(seconds=300),
+        )
+        results.put((rank, True, fn(rank, world_size, *args)))
+    except BaseException:  # noqa: BLE001 - report anything, assertion errors included
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _collect(results, procs, got: dict, timeout_seconds: float) -> None:
+    world_size = len(procs)
+    deadline = time.monotonic() + timeout_seconds
+    while len(got) < world_size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            missing = sorted(set(range(world_size)) - set(got))
+            raise RanksFailed(
+                f"ranks {missing} did not finish within {timeout_seconds:.0f}s (a hang)"
+            )
+        try:
+            rank, ok, value = results.get(timeout=min(remaining, 1.0))
+            got[rank] = (ok, value)
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in got]
+            if dead and results.empty():
+                raise RanksFailed(f"ranks {dead} exited without reporting") from None
+
+
+def run_gloo_ranks(
+    world_size: int, fn, *args: Any, timeout_seconds: float = 600, threads: int = 1
+) -> list[Any]:
+    """Run ``fn`` on ``world_size`` fresh processes; raise :class:`RanksFailed` on error."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_loopback_port()
+    procs = [
+        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, results, threads),
+                    daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    got: dict[int, tuple[bool, Any]] = {}
+    try:
+        _collect(results, procs, got, timeout_seconds)
+    except RanksFailed:
+        for p in procs:  # a hung or dead rank: stop the others now, they would wait forever
+            p.kill()
+            p.join()
+        raise
+    for p in procs:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    errors = [f"rank {r}:\n{value}" for r, (ok, value) in sorted(got.items()) if not ok]
+    if errors:
+        raise RanksFailed("\n".join(errors))
+    return [got[r][1] for r in range(world_size)]

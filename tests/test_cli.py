@@ -1,0 +1,40 @@
+"""`ringray bench ring` runs end to end and reports the documented fields."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from ringray.cli import app
+
+KEYS = {
+    "layout", "compute_seconds_max", "compute_seconds_mean", "exposed_comm_seconds_max",
+    "overlap_ratio", "imbalance_measured", "imbalance_theoretical", "work_efficiency",
+}
+
+
+def test_bench_ring_json_has_one_object_per_layout():
+    result = CliRunner().invoke(app, [
+        "bench", "ring", "--world", "2", "--seq", "512", "--heads", "4", "--kv-heads", "2",
+        "--head-dim", "32", "--layouts", "zigzag,contiguous", "--iters", "1", "--json",
+    ])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)
+    assert [r["layout"] for r in rows] == ["zigzag", "contiguous"]
+    for row in rows:
+        assert KEYS <= row.keys()
+        assert row["work_efficiency"] > 0 and row["compute_seconds_max"] > 0
+    zigzag, contiguous = rows
+    assert zigzag["imbalance_theoretical"] == 1.0
+    # Rank 1's 256 tokens see 257..512 keys each, rank 0's see 1..256: 98432 vs 32896 pairs.
+    assert abs(contiguous["imbalance_theoretical"] - 98432 / ((98432 + 32896) / 2)) < 1e-12
+
+
+def test_bench_ring_rejects_bad_flags_with_one_line():
+    result = CliRunner().invoke(app, ["bench", "ring", "--seq", "100", "--world", "4"])
+    assert result.exit_code == 2
+    assert "layout: seq_len=100 cannot be split by layout 'zigzag' over 4 ranks" in result.output
+    assert "Traceback" not in result.output
+    result = CliRunner().invoke(app, ["bench", "ring", "--heads", "8", "--kv-heads", "3"])
+    assert result.exit_code == 2 and "--kv-heads: 3 must divide --heads 8" in result.output
