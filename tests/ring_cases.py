@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from ringray.attention import make_layout, ring_attention
+from ringray.attention import Layout, make_layout, ring_attention
 
 BATCH = 2
 # (q_heads, kv_heads, head_dim)
@@ -40,6 +40,15 @@ class Case:
     def id(self) -> str:
         mask = "causal" if self.causal else "full"
         return f"{self.layout}-{self.heads}-{self.dtype}-{mask}-s{self.seq}"
+
+
+def random_permutation_layout(world_size: int, per_rank: int, rnd) -> Layout:
+    """A layout holding a shuffled permutation of ``world_size * per_rank`` tokens."""
+    seq = world_size * per_rank
+    perm = list(range(seq))
+    rnd.shuffle(perm)
+    return make_layout([perm[r * per_rank:(r + 1) * per_rank] for r in range(world_size)],
+                       world_size, seq)
 
 
 def layout_for(case: Case, world_size: int):

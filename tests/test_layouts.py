@@ -6,11 +6,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from ring_cases import SEED_FOLD, random_permutation_layout
 
 from ringray.attention import causal_work, make_layout
 from ringray.attention.layouts import Layout, seq_len_divisor
-
-SEED_FOLD = [[0, 7, 8, 15], [1, 6, 9, 14], [2, 5, 10, 13], [3, 4, 11, 12]]
 
 
 def test_zigzag_holds_chunks_r_and_2n_minus_1_minus_r():
@@ -61,10 +60,8 @@ def test_shard_along_another_dim():
 @settings(max_examples=50, deadline=None)
 @given(st.integers(1, 6), st.integers(1, 5), st.randoms(use_true_random=False))
 def test_any_permutation_round_trips(world, per_rank, rnd):
-    seq = world * per_rank
-    perm = list(range(seq))
-    rnd.shuffle(perm)
-    lay = make_layout([perm[r * per_rank:(r + 1) * per_rank] for r in range(world)], world, seq)
+    lay = random_permutation_layout(world, per_rank, rnd)
+    seq = lay.seq_len
     x = torch.randn(1, seq, 2)
     torch.testing.assert_close(lay.unshard([lay.shard(x, r) for r in range(world)]), x)
     runs = [run for r in range(world) for run in lay.runs(r)]
@@ -87,6 +84,13 @@ def test_any_permutation_round_trips(world, per_rank, rnd):
 def test_bad_layouts_name_the_problem(args, message):
     with pytest.raises(ValueError, match="layout: .*" + _escape(message)):
         make_layout(*args)
+
+
+def test_layout_reports_the_divisor_it_needs():
+    assert make_layout("zigzag", 4, 16).divisor == 8
+    assert make_layout("striped", 3, 9).divisor == 3
+    assert make_layout(SEED_FOLD, 4, 16).divisor == 16
+    assert make_layout("zigzag", 4, 16) is make_layout("zigzag", 4, 16)  # shared, immutable
 
 
 def test_layout_object_must_match_the_ring():

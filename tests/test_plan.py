@@ -7,12 +7,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from ring_cases import SEED_FOLD, random_permutation_layout
 
 from ringray.attention import make_layout
 from ringray.attention.layouts import seq_len_divisor
 from ringray.attention.plan import Piece, PieceKind, plan_rank
-
-SEED_FOLD = [[0, 7, 8, 15], [1, 6, 9, 14], [2, 5, 10, 13], [3, 4, 11, 12]]
 
 
 def covered(piece: Piece, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
@@ -100,12 +99,7 @@ def test_contiguous_skips_blocks_from_the_future():
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 5), st.integers(1, 6), st.randoms(use_true_random=False))
 def test_random_permutations_are_covered_exactly(world, per_rank, rnd):
-    seq = world * per_rank
-    perm = list(range(seq))
-    rnd.shuffle(perm)
-    layout = make_layout([perm[r * per_rank:(r + 1) * per_rank] for r in range(world)],
-                         world, seq)
-    assert_exact_cover(layout, causal=True)
+    assert_exact_cover(random_permutation_layout(world, per_rank, rnd), causal=True)
 
 
 @settings(max_examples=40, deadline=None)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import torch
 
@@ -82,6 +82,14 @@ class Layout:
     def local_len(self) -> int:
         """Tokens per rank."""
         return self.seq_len // self.world_size
+
+    @property
+    def divisor(self) -> int:
+        """What a sequence length must be a multiple of for this kind of layout over this
+        many ranks (a custom permutation fits exactly its own length)."""
+        if self.kind in BUILTIN_LAYOUTS:
+            return seq_len_divisor(self.kind, self.world_size)
+        return self.seq_len
 
     def positions(self, rank: int) -> torch.Tensor:
         """Global token indices held by ``rank``, in local order (int64, CPU)."""
@@ -172,6 +180,9 @@ def make_layout(
     return _custom(kind_or_positions, world_size, seq_len)
 
 
+# Memoised so that repeated calls with a layout name share one Layout, and with it the
+# ring's cached step plans; layouts are immutable, so sharing is safe.
+@lru_cache(maxsize=16)
 def _builtin(kind: str, world_size: int, seq_len: int) -> Layout:
     divisor = seq_len_divisor(kind, world_size)
     if seq_len <= 0 or seq_len % divisor:

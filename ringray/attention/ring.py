@@ -87,7 +87,7 @@ def ring_attention(
     return (out, lse) if return_lse else out
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=64)  # plans are pure functions of immutable layouts
 def _plan(layout: Layout, rank: int, causal: bool) -> RankPlan:
     return plan_rank(layout, rank, causal)
 
