@@ -91,11 +91,12 @@ def _print_ring_tables(results) -> None:
             table.add_row(str(rank), f"{c:.3f}", f"{e:.4f}", f"{t:.4f}",
                           f"{1 - e / t if t else 1.0:.3f}")
         out.print(table)
-    summary = Table(title="summary (compute = CPU seconds, forward + backward)",
+    summary = Table(title="summary (compute = CPU seconds, forward + backward; imbalance = "
+                    "max/mean; work eff. = ranks' compute / 1-process SDPA)",
                     title_justify="left")
-    for col in ("layout", "overlap ratio", "imbalance measured", "imbalance theory",
-                "work efficiency", "compute max s", "SDPA 1 process s"):
-        summary.add_column(col, justify="right")
+    for col in ("layout", "overlap", "imbal.", "imbal. theory", "work eff.", "max s",
+                "SDPA s"):
+        summary.add_column(col, justify="right", no_wrap=True)
     for r in results:
         summary.add_row(r.layout, f"{r.overlap_ratio:.3f}", f"{r.imbalance_measured:.3f}",
                         f"{r.imbalance_theoretical:.3f}", f"{r.work_efficiency:.3f}",
