@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ringray.attention import RingStats, causal_work, make_layout, ring_attention
+from ringray.attention.backends.common import accumulation_dtype
 from ringray.attention.comm import RingComm
 from ringray.bench.launch import run_gloo_ranks
 
@@ -99,13 +100,13 @@ def _single_process_seconds(cfg: RingBenchConfig, q, k, v, dout) -> float:
     return statistics.median(runs)
 
 
-def _transfer_seconds(cfg: RingBenchConfig, k_local: torch.Tensor) -> float:
+def _transfer_seconds(k_local: torch.Tensor) -> float:
     """Wall seconds of one ring call's exchanges (forward and backward) with no compute."""
     comm = RingComm()
     world = comm.world_size
     kv = torch.stack((k_local.transpose(1, 2), k_local.transpose(1, 2))).contiguous()
     kv_in = torch.empty_like(kv)
-    dkv = torch.zeros(kv.shape, dtype=torch.float32)
+    dkv = torch.zeros(kv.shape, dtype=accumulation_dtype(kv.dtype))  # as the ring sends it
     dkv_in = torch.empty_like(dkv)
     total = 0.0
     dist.barrier()
@@ -141,7 +142,7 @@ def _rank_main(rank: int, world: int, cfg: RingBenchConfig) -> dict:
             out = ring_attention(qg, kg, vg, layout=layout, causal=cfg.causal, stats=stats)
             out.backward(dout_l)
             totals = stats.totals()
-            transfer = _transfer_seconds(cfg, k_l)
+            transfer = _transfer_seconds(k_l)
             if i >= cfg.warmup:
                 rows.append(RankResult(totals.compute_seconds, totals.exposed_comm_seconds,
                                        transfer, totals.bytes_sent))
