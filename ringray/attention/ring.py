@@ -171,8 +171,9 @@ class _RingAttention(torch.autograd.Function):
         q_t, out_t, dout_t = q.transpose(1, 2), out.transpose(1, 2), dout.transpose(1, 2)
         dq = torch.zeros(q_t.shape, dtype=acc, device=q.device)
         grad_shape = (2, *kv_block.shape[1:])
-        dkv_partial = torch.zeros(grad_shape, dtype=acc, device=q.device)  # block being done
-        dkv_done = torch.zeros_like(dkv_partial) if world > 1 else None  # previous block's
+        # Zeroed at the start of each step; the two swap so one is sent while the other fills.
+        dkv_partial = torch.empty(grad_shape, dtype=acc, device=q.device)  # block being done
+        dkv_done = torch.empty_like(dkv_partial) if world > 1 else None  # previous block's
         dkv_incoming = torch.empty_like(dkv_partial) if world > 1 else None
         kv_spare = [torch.empty_like(kv_block), torch.empty_like(kv_block)] if world > 1 else []
 

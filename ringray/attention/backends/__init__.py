@@ -58,8 +58,7 @@ BACKENDS: Mapping[str, Callable[[], BlockAttentionBackend]] = MappingProxyType(
 def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> BlockAttentionBackend:
     """The backend called ``name`` (or the best one for ``auto``), checked for support."""
     if name == "auto":
-        order = ("sdpa", "reference")
-        for candidate in order:
+        for candidate in ("sdpa", "reference"):
             backend = BACKENDS[candidate]()
             if backend.supports(device, dtype):
                 return backend
