@@ -7,10 +7,13 @@ then waits. Works on any backend with point-to-point support (gloo on CPU, NCCL 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+
+from ringray.attention.backends.common import accumulation_dtype
 
 
 class PendingExchange:
@@ -74,3 +77,34 @@ class RingComm:
             return values
         dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group)
         return values
+
+
+def ring_transfer_seconds(comm: RingComm, k_local: torch.Tensor) -> tuple[float, int]:
+    """Wall seconds and bytes of one ring call's exchanges (forward and backward) with no
+    compute in between, for this rank's K block ``k_local`` ``(batch, local_seq, kv_heads,
+    head_dim)``. Collective over ``comm``'s ring; the baseline an overlap ratio is taken
+    against."""
+    world = comm.world_size
+    if world == 1:
+        return 0.0, 0
+    kv = torch.stack((k_local.transpose(1, 2), k_local.transpose(1, 2))).contiguous()
+    kv_in = torch.empty_like(kv)
+    dkv = torch.zeros(kv.shape, dtype=accumulation_dtype(kv.dtype), device=kv.device)
+    dkv_in = torch.empty_like(dkv)  # dK/dV travel in float32, as the ring sends them
+    total_seconds, total_bytes = 0.0, 0
+    exchanges = [([kv], [kv_in], False)] * (world - 1)  # forward
+    for step in range(world):  # backward: K/V, then K/V with dK/dV, then dK/dV alone
+        send, recv = ([kv], [kv_in]) if step < world - 1 else ([], [])
+        if step > 0:
+            send, recv = send + [dkv], recv + [dkv_in]
+        exchanges.append((send, recv, True))
+    dist.barrier(group=comm.group)
+    for send, recv, reverse in exchanges:
+        start = time.perf_counter()
+        pending = comm.exchange(send, recv, reverse=reverse)
+        pending.wait()
+        if kv.device.type == "cuda":
+            torch.cuda.synchronize(kv.device)
+        total_seconds += time.perf_counter() - start
+        total_bytes += pending.bytes_sent
+    return total_seconds, total_bytes

@@ -27,6 +27,7 @@ the training loop.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -136,3 +137,19 @@ class RingStats:
     def clear(self) -> None:
         self._pending.clear()
         self._records.clear()
+
+
+def overlap_ratio(exposed_comm_seconds: float, transfer_seconds: float) -> float:
+    """The share of the communication the compute hid: ``1 - exposed / transfer``.
+
+    ``transfer_seconds`` is what the same exchanges take with no compute in between. 1.0 is
+    fully hidden, 0.0 is not hidden at all; below 0 the rank waited longer than the transfer
+    itself takes (it waited for a slower rank: load imbalance). No communication counts as 1.0.
+    """
+    return 1.0 - exposed_comm_seconds / transfer_seconds if transfer_seconds > 0 else 1.0
+
+
+def imbalance_ratio(per_rank_seconds: Sequence[float]) -> float:
+    """``max / mean`` of the ranks' compute: 1.0 is perfect balance."""
+    mean = sum(per_rank_seconds) / len(per_rank_seconds)
+    return max(per_rank_seconds) / mean if mean > 0 else 1.0

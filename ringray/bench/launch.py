@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -43,7 +44,9 @@ def _entry(rank, world_size, port, fn, args, results, threads) -> None:
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
             world_size=world_size, timeout=timedelta(seconds=300),
         )
-        results.put((rank, True, fn(rank, world_size, *args)))
+        # Plain pickle, not the queue's: torch's reducers would pass tensors as shared-memory
+        # handles that die with this process, which exits right after reporting.
+        results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # noqa: BLE001 - report anything, assertion errors included
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -100,4 +103,4 @@ def run_gloo_ranks(
     errors = [f"rank {r}:\n{value}" for r, (ok, value) in sorted(got.items()) if not ok]
     if errors:
         raise RanksFailed("\n".join(errors))
-    return [got[r][1] for r in range(world_size)]
+    return [pickle.loads(got[r][1]) for r in range(world_size)]

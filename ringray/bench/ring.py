@@ -29,8 +29,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ringray.attention import RingStats, causal_work, make_layout, ring_attention
-from ringray.attention.backends.common import accumulation_dtype
-from ringray.attention.comm import RingComm
+from ringray.attention.comm import RingComm, ring_transfer_seconds
+from ringray.attention.stats import imbalance_ratio, overlap_ratio
 from ringray.bench.launch import run_gloo_ranks
 
 
@@ -100,30 +100,6 @@ def _single_process_seconds(cfg: RingBenchConfig, q, k, v, dout) -> float:
     return statistics.median(runs)
 
 
-def _transfer_seconds(k_local: torch.Tensor) -> float:
-    """Wall seconds of one ring call's exchanges (forward and backward) with no compute."""
-    comm = RingComm()
-    world = comm.world_size
-    kv = torch.stack((k_local.transpose(1, 2), k_local.transpose(1, 2))).contiguous()
-    kv_in = torch.empty_like(kv)
-    dkv = torch.zeros(kv.shape, dtype=accumulation_dtype(kv.dtype))  # as the ring sends it
-    dkv_in = torch.empty_like(dkv)
-    total = 0.0
-    dist.barrier()
-    for _ in range(world - 1):  # forward
-        start = time.perf_counter()
-        comm.exchange([kv], [kv_in]).wait()
-        total += time.perf_counter() - start
-    for step in range(world):  # backward: K/V, then K/V with dK/dV, then dK/dV alone
-        send, recv = ([kv], [kv_in]) if step < world - 1 else ([], [])
-        if step > 0:
-            send, recv = send + [dkv], recv + [dkv_in]
-        start = time.perf_counter()
-        comm.exchange(send, recv, reverse=True).wait()
-        total += time.perf_counter() - start
-    return total
-
-
 def _rank_main(rank: int, world: int, cfg: RingBenchConfig) -> dict:
     q, k, v, dout = _inputs(cfg)
     single = None
@@ -142,7 +118,7 @@ def _rank_main(rank: int, world: int, cfg: RingBenchConfig) -> dict:
             out = ring_attention(qg, kg, vg, layout=layout, causal=cfg.causal, stats=stats)
             out.backward(dout_l)
             totals = stats.totals()
-            transfer = _transfer_seconds(k_l)
+            transfer, _ = ring_transfer_seconds(RingComm(), k_l)
             if i >= cfg.warmup:
                 rows.append(RankResult(totals.compute_seconds, totals.exposed_comm_seconds,
                                        transfer, totals.bytes_sent))
@@ -168,7 +144,7 @@ def summarize(cfg: RingBenchConfig, per_rank: list[dict]) -> list[LayoutResult]:
             theoretical = max(work) / statistics.mean(work)
         else:
             theoretical = 1.0
-        overlap = min(1.0 - e / t if t > 0 else 1.0 for e, t in zip(exposed, transfer, strict=True))
+        overlap = min(overlap_ratio(e, t) for e, t in zip(exposed, transfer, strict=True))
         results.append(
             LayoutResult(
                 layout=name,
@@ -179,7 +155,7 @@ def summarize(cfg: RingBenchConfig, per_rank: list[dict]) -> list[LayoutResult]:
                 compute_seconds_mean=statistics.mean(compute),
                 exposed_comm_seconds_max=max(exposed),
                 overlap_ratio=overlap,
-                imbalance_measured=max(compute) / statistics.mean(compute),
+                imbalance_measured=imbalance_ratio(compute),
                 imbalance_theoretical=theoretical,
                 work_efficiency=sum(compute) / single,
                 single_process_seconds=single,

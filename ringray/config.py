@@ -1,0 +1,284 @@
+"""The job spec: the one validated description of a ringray job (YAML files in ``jobs/``).
+
+    spec = load_job_spec("jobs/quickstart.yaml", overrides=["train.steps=20"])
+    options = spec.train_options()          # what the trainer runs
+
+Every field carries a description (``ringray`` prints them); unknown fields are errors. Checks
+that involve several fields (the sequence length against the layout and the ring size, heads
+against kv heads, the batch against dp) name the field to change and what would be valid.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ringray.attention.backends import BACKENDS
+from ringray.attention.layouts import BUILTIN_LAYOUTS, seq_len_divisor
+from ringray.model import MODEL_PRESETS, ModelConfig, model_preset
+from ringray.train.options import OptimizerOptions, PasskeyEvalOptions, TrainOptions
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(_Section):
+    preset: str = Field("debug", description=f"Model shape preset: {', '.join(MODEL_PRESETS)}.")
+    dim: int | None = Field(None, ge=1, description="Hidden size (default: the preset's).")
+    n_layers: int | None = Field(None, ge=1, description="Decoder blocks (default: the preset's).")
+    n_heads: int | None = Field(None, ge=1, description="Query heads (default: the preset's).")
+    n_kv_heads: int | None = Field(
+        None, ge=1, description="Key/value heads; n_heads must be a multiple (GQA/MQA)."
+    )
+    ffn_hidden: int | None = Field(None, ge=1, description="SwiGLU hidden size.")
+    rope_theta: float | None = Field(None, gt=0, description="Rotary embedding base.")
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, value: str) -> str:
+        if value not in MODEL_PRESETS:
+            raise ValueError(f"unknown preset {value!r}; valid: {', '.join(MODEL_PRESETS)}")
+        return value
+
+    def build(self) -> ModelConfig:
+        overrides = self.model_dump(exclude={"preset"}, exclude_none=True)
+        return model_preset(self.preset, **overrides)
+
+
+class DataSpec(_Section):
+    source: Literal["stdlib", "files"] = Field(
+        "stdlib",
+        description="Training text: 'stdlib' (the Python standard library's source files, "
+        "no setup) or 'files' (the .txt/.jsonl files under data.path).",
+    )
+    path: str | None = Field(None, description="Directory of .txt/.jsonl files (source 'files').")
+    seed: int = Field(0, description="Document order seed (the loader is deterministic).")
+
+
+class ParallelSpec(_Section):
+    dp: int | None = Field(
+        1, ge=1, description="Data-parallel replicas; null: world size / cp."
+    )
+    cp: int | None = Field(
+        None, ge=1, description="Context-parallel ring size; null: world size / dp."
+    )
+    layout: str = Field(
+        "zigzag",
+        description=f"How sequences are split over a ring: {', '.join(BUILTIN_LAYOUTS)}.",
+    )
+    attention_backend: str = Field(
+        "auto", description="Local attention kernel: auto, or one of the registered backends."
+    )
+
+    @field_validator("layout")
+    @classmethod
+    def _known_layout(cls, value: str) -> str:
+        if value not in BUILTIN_LAYOUTS:
+            raise ValueError(f"unknown layout {value!r}; valid: {', '.join(BUILTIN_LAYOUTS)}")
+        return value
+
+    @field_validator("attention_backend")
+    @classmethod
+    def _known_backend(cls, value: str) -> str:
+        valid = ["auto", *BACKENDS]
+        if value not in valid:
+            raise ValueError(f"unknown backend {value!r}; valid: {', '.join(valid)}")
+        return value
+
+
+class OptimizerSpec(_Section):
+    lr: float = Field(3e-3, gt=0, description="Peak learning rate (AdamW).")
+    min_lr_ratio: float = Field(
+        0.1, ge=0, le=1, description="Cosine decay floor, as a fraction of lr."
+    )
+    warmup_steps: int = Field(10, ge=0, description="Linear warmup steps.")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW decay on weight matrices.")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
+    beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    grad_clip: float = Field(1.0, ge=0, description="Max global gradient L2 norm; 0: no clipping.")
+
+
+class TrainSpec(_Section):
+    steps: int = Field(100, ge=1, description="Optimizer steps (the schedule's length).")
+    global_batch: int = Field(
+        4, ge=1, description="Sequences per step over all data-parallel replicas."
+    )
+    seq_len: int = Field(
+        1024, ge=2, description="Tokens per sequence (split over the ring by the layout)."
+    )
+    seed: int = Field(0, description="Weight initialisation seed.")
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec, description="AdamW and LR.")
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="auto: bf16 autocast on CUDA, fp32 on CPU."
+    )
+    activation_checkpointing: bool = Field(
+        False, description="Recompute each block in the backward pass to save memory."
+    )
+    peak_tflops_per_device: float | None = Field(
+        None, gt=0,
+        description="Peak TFLOP/s per device for MFU; null: a known GPU's bf16 peak, or a "
+        "float32 matmul measured at start on CPU.",
+    )
+
+
+class CheckpointSpec(_Section):
+    path: str | None = Field(
+        None,
+        description="Directory or fsspec URL (e.g. s3://bucket/job) for checkpoints; every node "
+        "must reach it. null: <run_dir>/checkpoints.",
+    )
+    interval: int = Field(0, ge=0, description="Steps between checkpoints; 0: only at the end.")
+    keep: int = Field(3, ge=1, description="Complete checkpoints kept (older ones are deleted).")
+    resume: bool = Field(True, description="Resume from the newest complete checkpoint.")
+
+
+class EvalSpec(_Section):
+    passkey_lengths: list[int] = Field(
+        default_factory=list, description="Context lengths for passkey retrieval after training."
+    )
+    passkey_depths: list[float] = Field(
+        default_factory=lambda: [0.1, 0.5, 0.9], description="Needle depths, 0 (start) to 1."
+    )
+    passkey_samples: int = Field(4, ge=1, description="Samples per (length, depth) cell.")
+
+
+class JobSpec(_Section):
+    name: str = Field("ringray-job", min_length=1, description="Job name.")
+    run_dir: str | None = Field(
+        None, description="Run directory (steps.jsonl, checkpoints); null: runs/<name>."
+    )
+    model: ModelSpec = Field(default_factory=ModelSpec, description="The decoder's shape.")
+    data: DataSpec = Field(default_factory=DataSpec, description="Training data.")
+    parallel: ParallelSpec = Field(default_factory=ParallelSpec, description="DP × CP mesh.")
+    train: TrainSpec = Field(default_factory=TrainSpec, description="Steps, batch, optimizer.")
+    checkpoint: CheckpointSpec = Field(
+        default_factory=CheckpointSpec, description="Where and how often to checkpoint."
+    )
+    eval: EvalSpec = Field(default_factory=EvalSpec, description="Evaluation after training.")
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> JobSpec:
+        try:
+            self.model.build()
+        except ValueError as exc:
+            raise ValueError(f"model.{exc}") from None
+        if self.data.source == "files" and not self.data.path:
+            raise ValueError("data.path: required when data.source is 'files'")
+        dp, cp = self.parallel.dp, self.parallel.cp
+        if dp is not None and self.train.global_batch % dp:
+            raise ValueError(
+                f"train.global_batch: {self.train.global_batch} does not split over "
+                f"parallel.dp={dp} replicas; use a multiple of {dp}"
+            )
+        if cp is not None:
+            divisor = seq_len_divisor(self.parallel.layout, cp)
+            lengths = [("train.seq_len", self.train.seq_len)] + [
+                ("eval.passkey_lengths", n) for n in self.eval.passkey_lengths
+            ]
+            for field, length in lengths:
+                if length % divisor:
+                    raise ValueError(
+                        f"{field}: {length} cannot be split by layout "
+                        f"{self.parallel.layout!r} over cp={cp} ranks; use a multiple of "
+                        f"{divisor}"
+                    )
+        return self
+
+    def train_options(self) -> TrainOptions:
+        """The trainer's options for this job."""
+        opt, train = self.train.optimizer, self.train
+        peak = train.peak_tflops_per_device
+        return TrainOptions(
+            model=self.model.build(),
+            seq_len=train.seq_len,
+            global_batch=train.global_batch,
+            steps=train.steps,
+            dp=self.parallel.dp,
+            cp=self.parallel.cp,
+            layout=self.parallel.layout,
+            attention_backend=self.parallel.attention_backend,
+            data_source=self.data.source,
+            data_path=self.data.path,
+            data_seed=self.data.seed,
+            seed=train.seed,
+            optimizer=OptimizerOptions(**opt.model_dump()),
+            precision=train.precision,
+            activation_checkpointing=train.activation_checkpointing,
+            peak_flops_per_device=peak * 1e12 if peak is not None else None,
+            run_dir=self.run_dir or f"runs/{self.name}",
+            checkpoint_path=self.checkpoint.path,
+            checkpoint_interval=self.checkpoint.interval,
+            checkpoint_keep=self.checkpoint.keep,
+            resume=self.checkpoint.resume,
+            passkey=PasskeyEvalOptions(
+                lengths=tuple(self.eval.passkey_lengths),
+                depths=tuple(self.eval.passkey_depths),
+                samples_per_cell=self.eval.passkey_samples,
+            ),
+        )
+
+
+class JobSpecError(ValueError):
+    """A job spec that does not validate; the message names each bad field."""
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    """One line per problem: ``field.path: message``."""
+    lines = []
+    for error in exc.errors():
+        location = ".".join(str(part) for part in error["loc"])
+        message = error["msg"].removeprefix("Value error, ")
+        lines.append(f"{location}: {message}" if location else message)
+    return "\n".join(lines)
+
+
+def _set_dotted(data: dict, dotted: str, value: object) -> None:
+    *parents, leaf = dotted.split(".")
+    node = data
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise JobSpecError(f"{dotted}: {part!r} is not a section")
+        node = child
+    node[leaf] = value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply ``section.key=value`` overrides (values parsed as YAML: ``4``, ``true``, ``null``)."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise JobSpecError(f"--set {item!r}: expected section.key=value")
+        _set_dotted(data, key.strip(), yaml.safe_load(raw))
+    return data
+
+
+def parse_job_spec(data: dict) -> JobSpec:
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as exc:
+        raise JobSpecError(format_validation_error(exc)) from None
+
+
+def load_job_spec(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
+    """Read, override and validate a YAML job spec.
+
+    Raises:
+        JobSpecError: naming the file, or each invalid field and what would be valid.
+    """
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except OSError as exc:
+        raise JobSpecError(f"{path}: cannot read the job spec ({exc.strerror})") from None
+    except yaml.YAMLError as exc:
+        raise JobSpecError(f"{path}: not valid YAML ({exc})") from None
+    if not isinstance(data, dict):
+        kind = type(data).__name__
+        raise JobSpecError(f"{path}: a job spec is a mapping of sections, got {kind}")
+    return parse_job_spec(apply_overrides(data, overrides or []))

@@ -1,0 +1,214 @@
+"""Packed, shuffled, randomly addressable batches for one data-parallel rank.
+
+The token stream is the infinite concatenation of epochs. Epoch ``e`` is every document of
+the source once, in an order permuted deterministically by ``(seed, e)``, each document
+followed by ``eos_id``; every epoch therefore has the same length
+``sum(document_lengths) + len(source)``. Global sequence ``j`` is stream tokens
+``[j * seq_len, j * seq_len + seq_len + 1)``: inputs are the first ``seq_len``, labels the
+last ``seq_len``. Nothing is padded or dropped: a sequence that reaches the end of an epoch
+simply continues with the start of the next epoch's permutation, and a document longer
+than a sequence spans several. Neighbouring sequences share one token (the last label of
+``j`` is the first input of ``j + 1``).
+
+Global batch ``i`` is global sequences ``[i * global_batch, (i + 1) * global_batch)``; DP
+rank ``r`` takes the contiguous slice ``[r * local, (r + 1) * local)`` with
+``local = global_batch // dp_size``. Sequences come in global token order; the trainer
+shards them across context-parallel ranks. Because the position (:attr:`next_index`) is
+global, a checkpoint taken at one DP degree resumes at any other.
+
+    >>> loader = PackedLoader(make_source("stdlib", None), tokenizer=ByteTokenizer(),
+    ...                       seq_len=8192, global_batch=8, dp_rank=0, dp_size=2, seed=0)
+    >>> inputs, labels = loader.next_batch()         # (4, 8192) long each
+    >>> state = loader.state_dict()                  # store with the model checkpoint
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import random
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from ringray.data.sources import TokenSource
+from ringray.data.tokenizer import ByteTokenizer
+
+_EPOCHS_CACHED = 4
+"""Epoch orders kept in memory: a batch touches at most a few consecutive epochs."""
+
+
+@dataclass(frozen=True)
+class _EpochIndex:
+    """Document order of one epoch and where each document starts in the epoch's stream."""
+
+    order: tuple[int, ...]
+    starts: tuple[int, ...]
+    """``starts[k]``: stream offset of document ``order[k]`` (each one is followed by eos)."""
+
+
+def _check_positive_int(name: str, value: int, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}: {value!r} must be an integer >= {minimum}")
+
+
+class PackedLoader:
+    """Batches of packed sequences for one DP rank, addressable by global batch index."""
+
+    def __init__(
+        self,
+        source: TokenSource,
+        *,
+        tokenizer: ByteTokenizer,
+        seq_len: int,
+        global_batch: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+        cache_tokens: int = 1 << 24,
+    ) -> None:
+        """``cache_tokens`` bounds the LRU of recently read documents (4 bytes a token)."""
+        _check_positive_int("seq_len", seq_len, 1)
+        _check_positive_int("global_batch", global_batch, 1)
+        _check_positive_int("dp_size", dp_size, 1)
+        _check_positive_int("cache_tokens", cache_tokens, 0)
+        if global_batch % dp_size != 0:
+            raise ValueError(
+                f"global_batch: {global_batch} is not divisible by dp_size {dp_size}; use a "
+                f"multiple of {dp_size} (e.g. {(global_batch // dp_size + 1) * dp_size})"
+            )
+        if isinstance(dp_rank, bool) or not isinstance(dp_rank, int):
+            raise ValueError(f"dp_rank: {dp_rank!r} must be an integer in [0, {dp_size})")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank: {dp_rank} must be in [0, {dp_size}) for dp_size {dp_size}")
+        if not isinstance(seed, int):
+            raise ValueError(f"seed: {seed!r} must be an integer")
+        lengths = tuple(source.document_lengths)
+        if not lengths or min(lengths) < 1:
+            raise ValueError(f"source: {source.describe()} must hold non-empty documents")
+        self.source = source
+        self.tokenizer = tokenizer
+        self.seq_len = seq_len
+        self.global_batch = global_batch
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.seed = seed
+        self.local_batch = global_batch // dp_size
+        self.next_index = 0
+        """Global batch index that :meth:`next_batch` returns next."""
+        self._lengths = lengths
+        self.epoch_tokens = sum(lengths) + len(lengths)
+        """Tokens in one epoch of the stream: every document plus its eos."""
+        self._cache_tokens = cache_tokens
+        self._documents: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self._documents_cached_tokens = 0
+        self._epochs: OrderedDict[int, _EpochIndex] = OrderedDict()
+
+    def epoch_order(self, epoch: int) -> tuple[int, ...]:
+        """Document indices in the order they appear in ``epoch``'s stream."""
+        return self._epoch_index(epoch).order
+
+    def _epoch_index(self, epoch: int) -> _EpochIndex:
+        index = self._epochs.get(epoch)
+        if index is not None:
+            self._epochs.move_to_end(epoch)
+            return index
+        order = list(range(len(self._lengths)))
+        # A string seed goes through SHA-512, so distinct (seed, epoch) pairs never collide
+        # and the order does not depend on PYTHONHASHSEED.
+        random.Random(f"ringray-packing:{self.seed}:{epoch}").shuffle(order)
+        sizes = (self._lengths[d] + 1 for d in order)
+        starts = tuple(itertools.accumulate(sizes, initial=0))[:-1]
+        index = _EpochIndex(order=tuple(order), starts=starts)
+        self._epochs[epoch] = index
+        if len(self._epochs) > _EPOCHS_CACHED:
+            self._epochs.popitem(last=False)
+        return index
+
+    def _document_tokens(self, document: int) -> torch.Tensor:
+        """Tokens of ``document`` followed by ``eos_id``, from the LRU when possible."""
+        tokens = self._documents.get(document)
+        if tokens is not None:
+            self._documents.move_to_end(document)
+            return tokens
+        ids = self.tokenizer.encode_bytes(self.source.read_document(document))
+        if len(ids) != self._lengths[document]:
+            raise ValueError(
+                f"source: document {document} has {len(ids)} tokens, but its length is "
+                f"{self._lengths[document]} (the tokenizer must be byte-level)"
+            )
+        ids.append(self.tokenizer.eos_id)
+        tokens = torch.tensor(ids, dtype=torch.int32)
+        self._documents[document] = tokens
+        self._documents_cached_tokens += len(tokens)
+        while self._documents_cached_tokens > self._cache_tokens and len(self._documents) > 1:
+            _, evicted = self._documents.popitem(last=False)
+            self._documents_cached_tokens -= len(evicted)
+        return tokens
+
+    def stream_tokens(self, start: int, stop: int) -> torch.Tensor:
+        """Tokens ``[start, stop)`` of the infinite stream, as a long tensor."""
+        if start < 0 or stop < start:
+            raise ValueError(f"start, stop: ({start}, {stop}) must satisfy 0 <= start <= stop")
+        pieces = []
+        position = start
+        while position < stop:
+            epoch, offset = divmod(position, self.epoch_tokens)
+            index = self._epoch_index(epoch)
+            slot = bisect.bisect_right(index.starts, offset) - 1
+            tokens = self._document_tokens(index.order[slot])
+            first = offset - index.starts[slot]
+            take = min(len(tokens) - first, stop - position)
+            pieces.append(tokens[first : first + take])
+            position += take
+        if not pieces:
+            return torch.empty(0, dtype=torch.long)
+        return torch.cat(pieces).long()
+
+    def batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(inputs, labels)`` of global batch ``index`` for this DP rank.
+
+        Both are ``(global_batch // dp_size, seq_len)`` long tensors; ``labels[b, t]`` is
+        the token after ``inputs[b, t]`` in the global sequence.
+        """
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise ValueError(f"index: {index!r} must be an integer >= 0")
+        first_sequence = index * self.global_batch + self.dp_rank * self.local_batch
+        start = first_sequence * self.seq_len
+        # One contiguous read covers every sequence of this rank plus the last label token.
+        span = self.stream_tokens(start, start + self.local_batch * self.seq_len + 1)
+        inputs = span[:-1].view(self.local_batch, self.seq_len)
+        labels = span[1:].reshape(self.local_batch, self.seq_len)
+        return inputs, labels
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``batch(next_index)``, then advance ``next_index``."""
+        result = self.batch(self.next_index)
+        self.next_index += 1
+        return result
+
+    def state_dict(self) -> dict[str, int]:
+        """Position and the settings it is only meaningful with (not the DP layout)."""
+        return {
+            "next_index": self.next_index,
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "global_batch": self.global_batch,
+        }
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume at ``state["next_index"]``; ValueError if the stream settings differ."""
+        for name in ("seed", "seq_len", "global_batch"):
+            if name not in state:
+                raise ValueError(f"state: missing {name!r}")
+            saved, current = state[name], getattr(self, name)
+            if saved != current:
+                raise ValueError(
+                    f"{name}: checkpoint has {name}={saved} but this loader has "
+                    f"{name}={current}; the same batch index would be different data"
+                )
+        next_index = state.get("next_index")
+        if isinstance(next_index, bool) or not isinstance(next_index, int) or next_index < 0:
+            raise ValueError(f"next_index: {next_index!r} must be an integer >= 0")
+        self.next_index = next_index

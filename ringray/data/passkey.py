@@ -1,0 +1,390 @@
+"""Synthetic passkey retrieval: can the model find a number hidden deep in a long context?
+
+A sample is exactly ``seq_len`` byte tokens: repeated filler sentences, a needle sentence
+holding the pass key at a chosen fractional depth of the filler, and a closing question
+whose last tokens are the answer::
+
+    The grass is green. The sky is blue. ... The pass key is 48213. Remember it. 48213 is
+    the pass key. The sun is yellow. ... What is the pass key? The pass key is 48213
+
+Evaluation is teacher-forced: one forward pass over the whole sample and a check that the
+model's argmax next-token predictions at the answer positions equal the answer. No
+generation loop is needed, so it works unchanged under context parallelism, where each rank
+holds a shard of the sequence and autoregressive decoding would be awkward.
+
+    >>> report = evaluate_passkey(predict, ByteTokenizer(), lengths=[4096, 16384],
+    ...                           depths=[0.0, 0.5, 1.0], samples_per_cell=8, seed=0)
+    >>> print(report.format_table())
+
+``predict(tokens)`` takes a ``(B, S)`` long tensor on the CPU and returns the ``(B, S)``
+argmax ids (position ``i`` predicts token ``i + 1``); it moves data to its own device.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ringray.data.tokenizer import ByteTokenizer
+
+PASSKEY_FILLER = (
+    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+)
+"""Filler text, repeated and trimmed to length. Every sentence ends with ". "."""
+
+MIN_FILLER_TOKENS = 64
+"""Least filler a sample must hold, so that ``depth`` still means something."""
+
+PASSKEY_DIGIT_CHANCE = 0.1
+"""Per-digit accuracy of a model that guesses uniformly among the ten digits."""
+
+_SENTENCE_END = ". "
+
+
+def _needle_text(passkey: str) -> str:
+    return f"The pass key is {passkey}. Remember it. {passkey} is the pass key. "
+
+
+def _question_text(passkey: str) -> str:
+    # The answer is the tail of the question, so a teacher-forced forward pass scores it.
+    return f"What is the pass key? The pass key is {passkey}"
+
+
+def passkey_chance_accuracy(digits: int) -> float:
+    """Exact-match accuracy of uniform guessing: ``10 ** -digits``.
+
+    A model that guesses digits uniformly gets :data:`PASSKEY_DIGIT_CHANCE` (0.1) per digit
+    and ``0.1 ** digits`` for the whole key; one that spreads its argmax over the full
+    vocabulary does worse (about ``1 / vocab_size`` per digit).
+    """
+    if digits < 1:
+        raise ValueError(f"digits: {digits} must be >= 1")
+    return 10.0**-digits
+
+
+def passkey_min_seq_len(tokenizer: ByteTokenizer, passkey_length: int) -> int:
+    """Shortest ``seq_len`` that holds the needle, the question and the minimum filler."""
+    key = "0" * passkey_length
+    needle = len(tokenizer.encode(_needle_text(key)))
+    question = len(tokenizer.encode(_question_text(key)))
+    return needle + question + MIN_FILLER_TOKENS
+
+
+@dataclass(frozen=True)
+class PasskeySample:
+    """One passkey prompt: ``tokens[answer_start:]`` are the pass key's tokens."""
+
+    tokens: torch.Tensor
+    """``(seq_len,)`` long tensor."""
+    answer_start: int
+    """Index of the first answer token; the answer runs to the end of ``tokens``."""
+    needle_start: int
+    """Index of the first token of the needle sentence."""
+    passkey: str
+    depth: float
+    """Requested fractional depth of the needle in the filler (0 = start, 1 = end)."""
+    seq_len: int
+
+
+def _filler_stream(tokenizer: ByteTokenizer, length: int) -> tuple[list[int], list[int]]:
+    """``length`` filler tokens ending on a whole sentence, and their sentence boundaries.
+
+    The repeated filler is trimmed at the *front*, so the text before the question ends
+    cleanly and only the sample's first sentence may be cut. Boundaries are the positions
+    where a needle can go without splitting a sentence (always including 0 and ``length``).
+    """
+    unit = tokenizer.encode(PASSKEY_FILLER)
+    end_marker = tokenizer.encode(_SENTENCE_END)
+    unit_boundaries = [0] + [
+        i for i in range(len(end_marker), len(unit)) if unit[i - len(end_marker) : i] == end_marker
+    ]
+    copies = -(-length // len(unit))
+    start = copies * len(unit) - length
+    stream = (unit * copies)[start:]
+    boundaries = {0, length}
+    for copy in range(copies):
+        for b in unit_boundaries:
+            position = copy * len(unit) + b - start
+            if 0 <= position <= length:
+                boundaries.add(position)
+    return stream, sorted(boundaries)
+
+
+def _nearest(sorted_values: list[int], target: float) -> int:
+    """The value closest to ``target`` (ties go to the smaller), monotone in ``target``."""
+    i = bisect.bisect_left(sorted_values, target)
+    candidates = sorted_values[max(i - 1, 0) : i + 1]
+    return min(candidates, key=lambda v: (abs(v - target), v))
+
+
+def make_passkey_sample(
+    tokenizer: ByteTokenizer, *, seq_len: int, depth: float, passkey: str
+) -> PasskeySample:
+    """Build a sample of exactly ``seq_len`` tokens with the needle at ``depth`` of the filler.
+
+    The needle goes at the sentence boundary nearest ``depth * filler_tokens``, so depth 0.0
+    puts it first and depth 1.0 right before the question. Raises ValueError when
+    ``seq_len`` cannot hold needle, question and :data:`MIN_FILLER_TOKENS` of filler.
+    """
+    if not passkey:
+        raise ValueError("passkey: must be a non-empty string")
+    if not (math.isfinite(depth) and 0.0 <= depth <= 1.0):
+        raise ValueError(f"depth: {depth} must be in [0.0, 1.0]")
+    minimum = passkey_min_seq_len(tokenizer, len(passkey))
+    if seq_len < minimum:
+        raise ValueError(
+            f"seq_len: {seq_len} is too short for a passkey sample with a "
+            f"{len(passkey)}-character key; the minimum is {minimum} (needle + question + "
+            f"{MIN_FILLER_TOKENS} filler tokens)"
+        )
+    needle = tokenizer.encode(_needle_text(passkey))
+    question = tokenizer.encode(_question_text(passkey))
+    answer = tokenizer.encode(passkey)
+    filler_length = seq_len - len(needle) - len(question)
+    filler, boundaries = _filler_stream(tokenizer, filler_length)
+    cut = _nearest(boundaries, depth * filler_length)
+    ids = filler[:cut] + needle + filler[cut:] + question
+    return PasskeySample(
+        tokens=torch.tensor(ids, dtype=torch.long),
+        answer_start=seq_len - len(answer),
+        needle_start=cut,
+        passkey=passkey,
+        depth=float(depth),
+        seq_len=seq_len,
+    )
+
+
+@dataclass(frozen=True)
+class PasskeyCell:
+    """Counts for one (length, depth) cell of the evaluation grid."""
+
+    length: int
+    depth: float
+    samples: int
+    exact_matches: int
+    """Samples whose every answer token was predicted."""
+    digits_correct: int
+    digits_total: int
+
+    @property
+    def accuracy(self) -> float:
+        """Exact-match accuracy of this cell."""
+        return self.exact_matches / self.samples
+
+    @property
+    def digit_accuracy(self) -> float:
+        """Fraction of answer tokens predicted correctly in this cell."""
+        return self.digits_correct / self.digits_total
+
+
+def _pooled(cells: Sequence[PasskeyCell]) -> tuple[float, float]:
+    samples = sum(c.samples for c in cells)
+    digits = sum(c.digits_total for c in cells)
+    exact = sum(c.exact_matches for c in cells) / samples
+    return exact, sum(c.digits_correct for c in cells) / digits
+
+
+@dataclass(frozen=True)
+class PasskeyReport:
+    """Passkey results over a grid of lengths × depths, pooled by sample counts."""
+
+    lengths: tuple[int, ...]
+    depths: tuple[float, ...]
+    samples_per_cell: int
+    digits: int
+    seed: int
+    cells: tuple[PasskeyCell, ...]
+    """One per (length, depth), in ``lengths``-major order."""
+
+    def cell(self, length: int, depth: float) -> PasskeyCell:
+        """The cell for ``(length, depth)``; KeyError if the grid has none."""
+        for c in self.cells:
+            if c.length == length and c.depth == depth:
+                return c
+        raise KeyError(f"no cell for length={length}, depth={depth}")
+
+    def cell_accuracy(self, length: int, depth: float) -> float:
+        """Exact-match accuracy at one length and depth."""
+        return self.cell(length, depth).accuracy
+
+    def length_accuracy(self, length: int) -> float:
+        """Exact-match accuracy at one length, over all depths."""
+        return _pooled([c for c in self.cells if c.length == length])[0]
+
+    def depth_accuracy(self, depth: float) -> float:
+        """Exact-match accuracy at one depth, over all lengths."""
+        return _pooled([c for c in self.cells if c.depth == depth])[0]
+
+    @property
+    def accuracy(self) -> float:
+        """Overall exact-match accuracy (all answer tokens right)."""
+        return _pooled(self.cells)[0]
+
+    @property
+    def digit_accuracy(self) -> float:
+        """Overall fraction of answer tokens predicted correctly."""
+        return _pooled(self.cells)[1]
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready summary: settings, overall and per-length accuracy, chance, all cells."""
+        return {
+            "lengths": list(self.lengths),
+            "depths": list(self.depths),
+            "samples_per_cell": self.samples_per_cell,
+            "digits": self.digits,
+            "seed": self.seed,
+            "accuracy": self.accuracy,
+            "digit_accuracy": self.digit_accuracy,
+            "chance": {
+                "accuracy": passkey_chance_accuracy(self.digits),
+                "digit_accuracy": PASSKEY_DIGIT_CHANCE,
+            },
+            "by_length": {str(n): self.length_accuracy(n) for n in self.lengths},
+            "cells": [
+                {
+                    "length": c.length,
+                    "depth": c.depth,
+                    "samples": c.samples,
+                    "accuracy": c.accuracy,
+                    "digit_accuracy": c.digit_accuracy,
+                }
+                for c in self.cells
+            ],
+        }
+
+    def format_table(self) -> str:
+        """Exact-match accuracy as text: rows are lengths, columns depths plus "all"."""
+        headers = [f"d={d:.2f}" for d in self.depths] + ["all"]
+        width = max(6, *(len(h) for h in headers))
+        label_width = max(6, *(len(str(n)) for n in self.lengths))
+
+        def row(label: str, values: list[float]) -> str:
+            cells = "".join(f" {v:>{width}.2f}" for v in values)
+            return f"{label:>{label_width}}{cells}"
+
+        lines = [
+            f"passkey exact match ({self.digits} digits, {self.samples_per_cell} samples/cell)",
+            f"{'length':>{label_width}}" + "".join(f" {h:>{width}}" for h in headers),
+        ]
+        for n in self.lengths:
+            values = [self.cell_accuracy(n, d) for d in self.depths]
+            lines.append(row(str(n), values + [self.length_accuracy(n)]))
+        totals = [self.depth_accuracy(d) for d in self.depths] + [self.accuracy]
+        lines.append(row("all", totals))
+        lines.append(
+            f"per-digit accuracy {self.digit_accuracy:.3f} (chance: exact "
+            f"{passkey_chance_accuracy(self.digits):.0e}, per digit {PASSKEY_DIGIT_CHANCE})"
+        )
+        return "\n".join(lines)
+
+
+def _random_passkey(rng: random.Random, digits: int) -> str:
+    # Each digit drawn independently (leading zeros allowed), so digit chance is exactly 0.1.
+    return "".join(rng.choice("0123456789") for _ in range(digits))
+
+
+def _check_grid(
+    tokenizer: ByteTokenizer,
+    lengths: Sequence[int],
+    depths: Sequence[float],
+    samples_per_cell: int,
+    digits: int,
+    batch_size: int,
+) -> None:
+    for name, value in (
+        ("samples_per_cell", samples_per_cell),
+        ("digits", digits),
+        ("batch_size", batch_size),
+    ):
+        if value < 1:
+            raise ValueError(f"{name}: {value} must be >= 1")
+    if not lengths or len(set(lengths)) != len(lengths):
+        raise ValueError(f"lengths: {list(lengths)} must be non-empty with no repeats")
+    if not depths or len(set(depths)) != len(depths):
+        raise ValueError(f"depths: {list(depths)} must be non-empty with no repeats")
+    minimum = passkey_min_seq_len(tokenizer, digits)
+    short = [n for n in lengths if n < minimum]
+    if short:
+        raise ValueError(f"lengths: {short} are below the minimum {minimum} for {digits} digits")
+    bad = [d for d in depths if not (math.isfinite(d) and 0.0 <= d <= 1.0)]
+    if bad:
+        raise ValueError(f"depths: {bad} are outside [0.0, 1.0]")
+
+
+def _score_batch(
+    predict: Callable[[torch.Tensor], torch.Tensor], samples: Sequence[PasskeySample]
+) -> torch.Tensor:
+    """``(B, answer_len)`` bool: which answer tokens the model predicted, teacher-forced."""
+    tokens = torch.stack([s.tokens for s in samples])
+    with torch.no_grad():
+        predicted = predict(tokens)
+    if tuple(predicted.shape) != tuple(tokens.shape):
+        raise ValueError(
+            f"predict: returned shape {tuple(predicted.shape)}, expected {tuple(tokens.shape)}"
+        )
+    start, seq_len = samples[0].answer_start, samples[0].seq_len
+    # Position i predicts token i + 1, so answer tokens [start, S) come from [start - 1, S - 1).
+    guesses = predicted[:, start - 1 : seq_len - 1].to("cpu", torch.long)
+    return guesses == tokens[:, start:]
+
+
+def evaluate_passkey(
+    predict: Callable[[torch.Tensor], torch.Tensor],
+    tokenizer: ByteTokenizer,
+    *,
+    lengths: Sequence[int],
+    depths: Sequence[float],
+    samples_per_cell: int,
+    seed: int,
+    digits: int = 5,
+    batch_size: int = 8,
+) -> PasskeyReport:
+    """Score ``predict`` on passkey samples over ``lengths`` × ``depths``.
+
+    Pass keys are ``digits`` random digits from ``random.Random(seed)``, drawn in grid order
+    (length, then depth, then sample), so a report is reproducible from its settings.
+    Samples of one length are batched together, up to ``batch_size`` per ``predict`` call.
+    A sample counts as correct when every answer token is predicted (exact match);
+    per-digit accuracy counts answer tokens individually.
+    """
+    _check_grid(tokenizer, lengths, depths, samples_per_cell, digits, batch_size)
+    rng = random.Random(seed)
+    cells: list[PasskeyCell] = []
+    for length in lengths:
+        plan = [
+            (depth, _random_passkey(rng, digits))
+            for depth in depths
+            for _ in range(samples_per_cell)
+        ]
+        hits: list[torch.Tensor] = []
+        for first in range(0, len(plan), batch_size):
+            samples = [
+                make_passkey_sample(tokenizer, seq_len=length, depth=depth, passkey=key)
+                for depth, key in plan[first : first + batch_size]
+            ]
+            hits.append(_score_batch(predict, samples))
+        per_sample = torch.cat(hits).view(len(depths), samples_per_cell, digits)
+        for depth, cell_hits in zip(depths, per_sample, strict=True):
+            cells.append(
+                PasskeyCell(
+                    length=length,
+                    depth=float(depth),
+                    samples=samples_per_cell,
+                    exact_matches=int(cell_hits.all(dim=1).sum()),
+                    digits_correct=int(cell_hits.sum()),
+                    digits_total=cell_hits.numel(),
+                )
+            )
+    return PasskeyReport(
+        lengths=tuple(lengths),
+        depths=tuple(float(d) for d in depths),
+        samples_per_cell=samples_per_cell,
+        digits=digits,
+        seed=seed,
+        cells=tuple(cells),
+    )

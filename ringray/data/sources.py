@@ -1,0 +1,289 @@
+"""Token sources: fixed, ordered lists of documents with known lengths and random access.
+
+Tokens are bytes (see :mod:`ringray.data.tokenizer`), so a document's token count is its
+byte length and a source can report every length without tokenizing anything. The packed
+loader uses the lengths to find which documents a batch needs and reads only those.
+
+    >>> source = make_source("files", "corpus/")       # .txt and .jsonl files, recursively
+    >>> source = make_source("stdlib", None)           # Python's own standard library
+    >>> len(source), source.document_lengths[0], source.read_document(0)[:20]
+
+Empty documents are skipped by every source, so every length is at least 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sysconfig
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from ringray.data.passkey import make_passkey_sample
+from ringray.data.tokenizer import ByteTokenizer
+
+SOURCE_KINDS = ("stdlib", "files", "passkey")
+"""Kinds accepted by :func:`make_source`."""
+
+
+class TokenSource(Protocol):
+    """What the packed loader needs from a corpus."""
+
+    @property
+    def document_lengths(self) -> Sequence[int]:
+        """Byte (= token) length of every document, in source order; all >= 1."""
+        ...
+
+    def read_document(self, index: int) -> bytes:
+        """The bytes of document ``index``; ``len`` equals ``document_lengths[index]``."""
+        ...
+
+    def __len__(self) -> int: ...
+
+    def describe(self) -> str:
+        """One line for logs: what this source is and how big."""
+        ...
+
+
+@dataclass(frozen=True)
+class _FileDocument:
+    """Where one document's bytes live: a whole file, or the ``"text"`` of one JSONL line."""
+
+    path: Path
+    length: int
+    """Document length in bytes (UTF-8 of the text, for a JSONL line)."""
+    line_offset: int = -1
+    """Byte offset of the JSONL line in its file; -1 for a whole-file document."""
+    line_bytes: int = 0
+
+    def read(self) -> bytes:
+        if self.line_offset < 0:
+            data = self.path.read_bytes()
+        else:
+            with self.path.open("rb") as f:
+                f.seek(self.line_offset)
+                data = _jsonl_text(f.read(self.line_bytes), self.path, line_number=None)
+        if len(data) != self.length:
+            raise ValueError(
+                f"{self.path}: document is now {len(data)} bytes, was {self.length} when the "
+                "source was built (the file changed on disk)"
+            )
+        return data
+
+
+def _jsonl_text(line: bytes, path: Path, line_number: int | None) -> bytes:
+    """UTF-8 bytes of the ``"text"`` field of one JSONL line; ValueError naming the line."""
+    where = f"{path}:{line_number}" if line_number is not None else str(path)
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{where}: not valid JSON ({error.msg})") from error
+    text = record.get("text") if isinstance(record, dict) else None
+    if not isinstance(text, str):
+        raise ValueError(f'{where}: expected a JSON object with a string "text" field')
+    # Lone surrogates (legal in JSON) cannot be UTF-8; replacing them keeps lengths stable.
+    return text.encode("utf-8", errors="replace")
+
+
+def _scan_jsonl(path: Path) -> list[_FileDocument]:
+    documents = []
+    offset = 0
+    with path.open("rb") as f:
+        for line_number, line in enumerate(f, start=1):
+            if line.strip():
+                text = _jsonl_text(line, path, line_number)
+                if text:
+                    documents.append(_FileDocument(path, len(text), offset, len(line)))
+            offset += len(line)
+    return documents
+
+
+class DirectorySource:
+    """Every ``.txt`` and ``.jsonl`` file under ``path``, recursively, by relative path.
+
+    A ``.txt`` file is one document (its raw bytes); each non-blank line of a ``.jsonl``
+    file is one document, the UTF-8 of its ``"text"`` string. JSONL files are parsed once
+    here (to validate them and learn lengths); text files are only ``stat``-ed.
+    """
+
+    SUFFIXES = (".txt", ".jsonl")
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.root = Path(path)
+        if not self.root.is_dir():
+            raise ValueError(f"path: {str(self.root)!r} is not a directory")
+        files = sorted(
+            (p for p in self.root.rglob("*") if p.suffix in self.SUFFIXES and p.is_file()),
+            key=lambda p: p.relative_to(self.root).as_posix(),
+        )
+        documents: list[_FileDocument] = []
+        for file in files:
+            if file.suffix == ".jsonl":
+                documents.extend(_scan_jsonl(file))
+            elif (size := file.stat().st_size) > 0:
+                documents.append(_FileDocument(file, size))
+        if not documents:
+            raise ValueError(
+                f"path: no documents in {str(self.root)!r} (looked for non-empty .txt files "
+                'and .jsonl lines with a "text" field, recursively)'
+            )
+        self._documents = tuple(documents)
+        self._lengths = tuple(d.length for d in documents)
+
+    @property
+    def document_lengths(self) -> Sequence[int]:
+        return self._lengths
+
+    def read_document(self, index: int) -> bytes:
+        return self._documents[index].read()
+
+    def __len__(self) -> int:
+        return len(self._documents)
+
+    def describe(self) -> str:
+        return f"files:{self.root} ({len(self)} documents, {sum(self._lengths)} tokens)"
+
+
+def _stdlib_files(root: Path) -> list[tuple[str, Path, int]]:
+    found = []
+    for directory, subdirs, names in os.walk(root):
+        # Third-party packages are not the standard library (and differ between machines).
+        subdirs[:] = [d for d in subdirs if d not in ("site-packages", "dist-packages")]
+        for name in names:
+            if not name.endswith(".py"):
+                continue
+            file = Path(directory, name)
+            try:
+                size = file.stat().st_size
+            except OSError:
+                continue
+            if size > 0 and os.access(file, os.R_OK):
+                found.append((file.relative_to(root).as_posix(), file, size))
+    return sorted(found)
+
+
+class StdlibSource:
+    """The ``.py`` files of Python's standard library: long real text on any machine.
+
+    Lengths come from file sizes, so construction only walks the directory (tens of
+    milliseconds); a file is read when the loader first needs it. The exact set of files
+    depends on the Python build, so runs are reproducible per interpreter, not across them.
+    """
+
+    def __init__(self) -> None:
+        self.root = Path(sysconfig.get_paths()["stdlib"])
+        found = _stdlib_files(self.root)
+        if not found:
+            raise ValueError(f"no readable .py files under the standard library at {self.root}")
+        self._documents = tuple(_FileDocument(file, size) for _, file, size in found)
+        self._lengths = tuple(size for _, _, size in found)
+
+    @property
+    def document_lengths(self) -> Sequence[int]:
+        return self._lengths
+
+    def read_document(self, index: int) -> bytes:
+        return self._documents[index].read()
+
+    def __len__(self) -> int:
+        return len(self._documents)
+
+    def describe(self) -> str:
+        return f"stdlib:{self.root} ({len(self)} documents, {sum(self._lengths)} tokens)"
+
+
+class MemorySource:
+    """Documents held in memory (strings are UTF-8 encoded); empty ones are dropped.
+
+    For tests and small experiments.
+    """
+
+    def __init__(self, documents: Sequence[str | bytes]) -> None:
+        encoded = (d.encode("utf-8") if isinstance(d, str) else bytes(d) for d in documents)
+        self._documents = tuple(d for d in encoded if d)
+        if not self._documents:
+            raise ValueError("documents: no non-empty documents given")
+        self._lengths = tuple(len(d) for d in self._documents)
+
+    @property
+    def document_lengths(self) -> Sequence[int]:
+        return self._lengths
+
+    def read_document(self, index: int) -> bytes:
+        return self._documents[index]
+
+    def __len__(self) -> int:
+        return len(self._documents)
+
+    def describe(self) -> str:
+        return f"memory ({len(self)} documents, {sum(self._lengths)} tokens)"
+
+
+class PasskeySource:
+    """Synthetic passkey samples as training documents, generated on demand.
+
+    Each document is a passkey sample of ``seq_len - 1`` tokens (random depth, random
+    ``digits``-digit key, both from ``(seed, index)``). With the end-of-document token the
+    packed loader appends, every document fills exactly one packed sequence of ``seq_len``
+    when the loader uses the same ``seq_len``. Use a different seed space from evaluation:
+    :func:`~ringray.data.passkey.evaluate_passkey` draws keys from ``random.Random(seed)``.
+    """
+
+    def __init__(
+        self, seq_len: int, seed: int, *, num_documents: int = 1024, digits: int = 5
+    ) -> None:
+        if num_documents < 1:
+            raise ValueError(f"num_documents: {num_documents} must be >= 1")
+        if digits < 1:
+            raise ValueError(f"digits: {digits} must be >= 1")
+        self.seq_len = seq_len
+        self.seed = seed
+        self.digits = digits
+        self._tokenizer = ByteTokenizer()
+        # Build one sample now so a too-short seq_len fails here, not inside the loader.
+        make_passkey_sample(self._tokenizer, seq_len=seq_len - 1, depth=0.0, passkey="0" * digits)
+        self._lengths = (seq_len - 1,) * num_documents
+
+    @property
+    def document_lengths(self) -> Sequence[int]:
+        return self._lengths
+
+    def read_document(self, index: int) -> bytes:
+        if not 0 <= index < len(self._lengths):
+            raise IndexError(f"index: {index} outside [0, {len(self._lengths)})")
+        rng = random.Random(f"ringray-passkey-source:{self.seed}:{index}")
+        depth = rng.random()
+        passkey = "".join(rng.choice("0123456789") for _ in range(self.digits))
+        sample = make_passkey_sample(
+            self._tokenizer, seq_len=self.seq_len - 1, depth=depth, passkey=passkey
+        )
+        return bytes(sample.tokens.tolist())
+
+    def __len__(self) -> int:
+        return len(self._lengths)
+
+    def describe(self) -> str:
+        return f"passkey (seq_len {self.seq_len}, seed {self.seed}, {len(self)} documents)"
+
+
+def make_source(
+    kind: str, path: str | None = None, *, seq_len: int | None = None, seed: int = 0
+) -> TokenSource:
+    """Build a source by name: ``"stdlib"``, ``"files"`` (needs ``path``) or ``"passkey"``
+    (needs ``seq_len``; ``seed`` picks the samples)."""
+    if kind not in SOURCE_KINDS:
+        raise ValueError(f"kind: {kind!r} is not a source kind; valid kinds: {SOURCE_KINDS}")
+    if kind != "files" and path is not None:
+        raise ValueError(f"path: {path!r} is only used by kind 'files', not {kind!r}")
+    if kind == "files":
+        if path is None:
+            raise ValueError("path: kind 'files' needs a directory path")
+        return DirectorySource(path)
+    if kind == "passkey":
+        if seq_len is None:
+            raise ValueError("seq_len: kind 'passkey' needs the training seq_len")
+        return PasskeySource(seq_len, seed)
+    return StdlibSource()

@@ -1,0 +1,178 @@
+"""A Llama-style decoder whose attention is ring attention.
+
+    model = Transformer(model_preset("debug"))
+    ring = RingContext(group=cp_group, layout=layout, rank=cp_rank)
+    logits = model(tokens_local, ring)          # (batch, local_seq, vocab)
+
+Each rank holds its share of every sequence in the layout's local order. Everything but
+attention is per token, so it runs locally; rotary embeddings use each token's *global*
+position (``layout.positions(rank)``), and attention goes round the ring with
+:func:`ringray.attention.ring_attention`. With one rank this is an ordinary decoder, and a
+CP=N run computes the same function as a CP=1 run (the exactness contract tested in
+``tests/test_train_exact.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ringray.attention import Layout, RingStats, ring_attention
+from ringray.model.config import ModelConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class RingContext:
+    """Where this rank's tokens sit in the sequence and which ring to attend over."""
+
+    layout: Layout
+    rank: int = 0
+    group: dist.ProcessGroup | None = None
+    backend: str = "auto"
+    stats: RingStats | None = None
+
+    def positions(self, device: torch.device) -> torch.Tensor:
+        return self.layout.positions(self.rank).to(device)
+
+
+def rotary_tables(
+    positions: torch.Tensor, head_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, ``(local_seq, head_dim)``, for the given global positions.
+
+    Angles are formed in float64: at long context ``position * frequency`` loses precision in
+    float32, and the tables are small.
+    """
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = positions.to(torch.float64)[:, None] * inv_freq.to(positions.device)[None, :]
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().to(torch.float32), angles.sin().to(torch.float32)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``(batch, seq, heads, head_dim)`` by the tables (half-split convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight.float()).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ring: RingContext
+    ) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim)
+        k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = ring_attention(
+            q, k, v, ring.group, layout=ring.layout, causal=True,
+            backend=ring.backend, stats=ring.stats,
+        )
+        return self.wo(out.reshape(batch, seq, self.n_heads * self.head_dim))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ring: RingContext
+    ) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, ring)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """Token embedding, ``n_layers`` pre-norm blocks, final RMSNorm, output projection.
+
+    ``activation_checkpointing`` recomputes each block in the backward pass instead of
+    keeping its activations (the recompute repeats the block's ring pass, on every rank in
+    the same order, so the ring stays in step).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, activation_checkpointing: bool = False) -> None:
+        super().__init__()
+        self.config = cfg
+        self.activation_checkpointing = activation_checkpointing
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) weights; the projections that write into the residual stream
+        are scaled by ``1/sqrt(2 n_layers)`` so the stream's variance does not grow with depth
+        (GPT-2's rule)."""
+        std = self.config.init_std
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith(("wo.weight", "w2.weight")):
+                param.normal_(0.0, std / math.sqrt(2 * self.config.n_layers))
+            else:
+                param.normal_(0.0, std)
+
+    def forward(self, tokens: torch.Tensor, ring: RingContext) -> torch.Tensor:
+        """Logits ``(batch, local_seq, vocab)`` for this rank's tokens ``(batch, local_seq)``."""
+        if tokens.shape[1] != ring.layout.local_len:
+            raise ValueError(
+                f"tokens: this rank holds {ring.layout.local_len} tokens per sequence under "
+                f"{ring.layout!r}, got a tensor of shape {tuple(tokens.shape)}"
+            )
+        cos, sin = rotary_tables(
+            ring.positions(tokens.device), self.config.head_dim, self.config.rope_theta
+        )
+        x = self.tok_embeddings(tokens)
+        for block in self.layers:
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, cos, sin, ring, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, ring)
+        return self.output(self.norm(x))

@@ -1,0 +1,69 @@
+"""``python -m ringray.train --config FILE [--set section.key=value ...]``
+
+Runs one training job from a job spec, in this process or, under
+``torchrun --nproc-per-node N``, on N ranks (gloo on CPU, NCCL on CUDA). This entry point is
+the edge where the validated spec (``ringray.config``) meets the trainer; the trainer itself
+takes plain options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def _init_distributed() -> None:
+    """Join the process group torchrun describes in the environment (if any)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+        return
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    dist.init_process_group(backend, timeout=timedelta(minutes=10))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m ringray.train", description="Train one job from a job spec."
+    )
+    parser.add_argument(
+        "--config", required=True, help="job spec (YAML), e.g. jobs/quickstart.yaml"
+    )
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+        help="override one field of the spec (repeatable), e.g. --set train.steps=20",
+    )
+    args = parser.parse_args(argv)
+    is_rank0 = int(os.environ.get("RANK", "0")) == 0
+
+    from ringray.config import JobSpecError, load_job_spec
+    from ringray.train.loop import run_training
+
+    try:
+        spec = load_job_spec(args.config, args.overrides)
+    except JobSpecError as exc:
+        if is_rank0:
+            print(f"error: {args.config}:\n{exc}", file=sys.stderr)
+        return 2
+    _init_distributed()
+    try:
+        run_training(spec.train_options(), log=lambda line: print(line, flush=True))
+    except ValueError as exc:  # options that do not fit the world, found before training
+        if is_rank0:
+            print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,311 @@
+"""Exact context-parallel training: one :meth:`Trainer.step` is one optimizer step.
+
+    trainer = Trainer(options)          # under torchrun, Ray, or in one plain process
+    for _ in range(10):
+        stats = trainer.step()          # a StepStats
+    trainer.save_checkpoint(CheckpointStore(options.checkpoint_location))
+
+Each rank of a ``dp × cp`` mesh takes its data-parallel slice of the global batch, cuts every
+sequence with the layout, and keeps its share. Labels are next tokens on the *global*
+sequence, sharded the same way, so the loss of a token does not depend on where it lives. The
+loss is the token mean over the whole global batch: each rank backpropagates its own token
+sum divided by the global token count, and summing the ranks' gradients (one all-reduce over
+the mesh) gives exactly the gradient of a single-device run on the same batch.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from ringray.attention import RingStats, make_layout
+from ringray.attention.comm import RingComm, ring_transfer_seconds
+from ringray.data import ByteTokenizer, PackedLoader, make_source
+from ringray.model import RingContext, Transformer
+from ringray.train.checkpoint import CheckpointRef, CheckpointStore
+from ringray.train.mesh import Mesh, build_mesh, resolve_mesh_shape
+from ringray.train.options import TrainOptions
+from ringray.train.schedule import learning_rate
+from ringray.train.stats import REPORT_FIELDS, StepStats, summarize_step
+
+# Dense bf16 tensor-core peaks (FLOP/s) of GPUs we know; other devices need a configured peak.
+_GPU_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12}
+
+
+def default_device() -> torch.device:
+    """This process's accelerator (the current CUDA device, as torchrun/Ray set it) or CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    """The peak an MFU is taken against: a known GPU's bf16 figure; on CPU, a float32 matmul
+    measured here (one process, a few hundred milliseconds)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        return next((peak for key, peak in _GPU_PEAK_FLOPS.items() if key in name), None)
+    if device.type != "cpu":
+        return None
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    torch.mm(a, b)
+    reps, start = 20, time.perf_counter()
+    for _ in range(reps):
+        torch.mm(a, b)
+    return 2 * 512**3 * reps / (time.perf_counter() - start)
+
+
+def _peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class Trainer:
+    """Model, optimizer, data and ring of one rank; every rank of the mesh runs one, in step.
+
+    Raises:
+        ValueError: when the options do not fit the world (mesh degrees, sequence length vs.
+            the layout, batch vs. dp), naming the field. Raised before any training.
+    """
+
+    def __init__(self, options: TrainOptions, *, device: torch.device | None = None) -> None:
+        self.options = options
+        self.device = device or default_device()
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        shape = resolve_mesh_shape(world_size=world, dp=options.dp, cp=options.cp)
+        self._check_options(options, shape.dp, shape.cp)
+        self.mesh: Mesh = build_mesh(shape)
+        self.layout = make_layout(options.layout, shape.cp, options.seq_len)
+        self.ring_stats = RingStats()
+        self.ring = RingContext(
+            layout=self.layout, rank=self.mesh.cp_rank, group=self.mesh.cp_group,
+            backend=options.attention_backend, stats=self.ring_stats,
+        )
+        self.tokenizer = ByteTokenizer()
+        if options.model.vocab_size < self.tokenizer.vocab_size:
+            raise ValueError(
+                f"model.vocab_size: {options.model.vocab_size} is smaller than the tokenizer's "
+                f"{self.tokenizer.vocab_size}"
+            )
+        self.loader = PackedLoader(
+            make_source(options.data_source, options.data_path), tokenizer=self.tokenizer,
+            seq_len=options.seq_len, global_batch=options.global_batch,
+            dp_rank=self.mesh.dp_rank, dp_size=shape.dp, seed=options.data_seed,
+        )
+        # The same seed on every rank: the replicas start from identical weights.
+        torch.manual_seed(options.seed)
+        self.model = Transformer(
+            options.model, activation_checkpointing=options.activation_checkpointing
+        ).to(self.device)
+        self.optimizer = self._make_optimizer()
+        self.autocast_dtype = self._autocast_dtype(options.precision)
+        self.step_count = 0
+        self.peak_flops_per_device = options.peak_flops_per_device or device_peak_flops(
+            self.device
+        )
+        self.flops_per_token = options.model.flops_per_token(options.seq_len, causal=True)
+        self._transfer_seconds_per_byte = self._measure_transfer_rate()
+
+    # ----------------------------------------------------------------- setup
+    @staticmethod
+    def _check_options(options: TrainOptions, dp: int, cp: int) -> None:
+        if options.global_batch % dp:
+            raise ValueError(
+                f"train.global_batch: {options.global_batch} sequences do not split evenly "
+                f"over dp={dp} replicas (use a multiple of {dp})"
+            )
+        try:
+            make_layout(options.layout, cp, options.seq_len)
+        except ValueError as exc:
+            raise ValueError(f"train.seq_len: {exc}") from None
+
+    def _make_optimizer(self) -> torch.optim.AdamW:
+        opt = self.options.optimizer
+        decay = [p for p in self.model.parameters() if p.ndim >= 2]
+        no_decay = [p for p in self.model.parameters() if p.ndim < 2]  # norms' gains
+        return torch.optim.AdamW(
+            [{"params": decay, "weight_decay": opt.weight_decay},
+             {"params": no_decay, "weight_decay": 0.0}],
+            lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
+        )
+
+    def _autocast_dtype(self, precision: str) -> torch.dtype | None:
+        if precision == "auto":
+            return torch.bfloat16 if self.device.type == "cuda" else None
+        if precision == "bf16":
+            return torch.bfloat16
+        if precision == "fp32":
+            return None
+        raise ValueError(f"train.precision: {precision!r} is not one of 'auto', 'fp32', 'bf16'")
+
+    def _measure_transfer_rate(self) -> float:
+        """Seconds per byte of this ring's exchanges with nothing else running (median of
+        three), the baseline for the overlap ratio. Collective over the CP group."""
+        cfg = self.options.model
+        dtype = self.autocast_dtype or torch.float32
+        k_block = torch.zeros(
+            self.options.global_batch // self.mesh.shape.dp, self.layout.local_len,
+            cfg.n_kv_heads, cfg.head_dim, dtype=dtype, device=self.device,
+        )
+        comm = RingComm(self.mesh.cp_group)
+        rates = []
+        for _ in range(3):
+            seconds, nbytes = ring_transfer_seconds(comm, k_block)
+            rates.append(seconds / nbytes if nbytes else 0.0)
+        return sorted(rates)[1]
+
+    # ----------------------------------------------------------------- training
+    def _local_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs, labels = self.loader.next_batch()  # global order, this DP replica's rows
+        rank = self.mesh.cp_rank
+        return (
+            self.layout.shard(inputs, rank).to(self.device),
+            self.layout.shard(labels, rank).to(self.device),
+        )
+
+    def _all_reduce_gradients(self) -> None:
+        """Sum every gradient over the whole mesh, as one flat buffer (one collective)."""
+        if not self.mesh.distributed:
+            return
+        grads = [p.grad for p in self.model.parameters()]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def _gather_reports(self, report: list[float]) -> list[list[float]]:
+        local = torch.tensor(report, dtype=torch.float64, device=self.device)
+        if not self.mesh.distributed:
+            return [local.tolist()]
+        rows = [torch.empty_like(local) for _ in range(self.mesh.shape.world_size)]
+        dist.all_gather(rows, local)
+        return [row.tolist() for row in rows]
+
+    def step(self) -> StepStats:
+        """One optimizer step over the next global batch; returns what it measured."""
+        start = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        opt, options = self.options.optimizer, self.options
+        lr = learning_rate(
+            self.step_count, lr=opt.lr, warmup_steps=opt.warmup_steps,
+            total_steps=options.steps, min_lr_ratio=opt.min_lr_ratio,
+        )
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.model.train()
+        self.ring_stats.clear()
+        inputs, labels = self._local_batch()
+        global_tokens = options.global_batch * options.seq_len
+
+        self.optimizer.zero_grad(set_to_none=True)
+        autocast = (
+            torch.autocast(self.device.type, dtype=self.autocast_dtype)
+            if self.autocast_dtype is not None else nullcontext()
+        )
+        with autocast:
+            logits = self.model(inputs, self.ring)
+        loss_sum = F.cross_entropy(
+            logits.float().flatten(0, 1), labels.flatten(), reduction="sum"
+        )
+        (loss_sum / global_tokens).backward()
+        self._all_reduce_gradients()
+        clip = opt.grad_clip if opt.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        self.optimizer.step()
+        self.step_count += 1
+
+        totals = self.ring_stats.totals()  # resolves CUDA events: once per step, here
+        report = [
+            loss_sum.item(), totals.compute_seconds, totals.exposed_comm_seconds,
+            float(totals.bytes_sent), self._transfer_seconds_per_byte,
+            float(_peak_memory_bytes(self.device)),
+        ]
+        assert len(report) == len(REPORT_FIELDS)
+        reports = self._gather_reports(report)
+        return summarize_step(
+            reports, shape=self.mesh.shape, step=self.step_count, grad_norm=grad_norm.item(),
+            learning_rate=lr, step_seconds=time.perf_counter() - start, tokens=global_tokens,
+            flops_per_token=self.flops_per_token,
+            peak_flops_per_device=self.peak_flops_per_device,
+        )
+
+    # ----------------------------------------------------------------- evaluation
+    @torch.no_grad()
+    def predict_next_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Greedy next-token ids ``(batch, seq)`` for global sequences ``(batch, seq)`` that
+        every rank of this CP group passes identically (collective over the CP group)."""
+        self.model.eval()
+        seq_len, cp = tokens.shape[1], self.mesh.shape.cp
+        layout = make_layout(self.options.layout, cp, seq_len)
+        ring = RingContext(
+            layout=layout, rank=self.mesh.cp_rank, group=self.mesh.cp_group,
+            backend=self.options.attention_backend,
+        )
+        autocast = (
+            torch.autocast(self.device.type, dtype=self.autocast_dtype)
+            if self.autocast_dtype is not None else nullcontext()
+        )
+        with autocast:
+            logits = self.model(layout.shard(tokens, self.mesh.cp_rank).to(self.device), ring)
+        local = logits.argmax(dim=-1)
+        if cp == 1:
+            return local.cpu()
+        shards = [torch.empty_like(local) for _ in range(cp)]
+        dist.all_gather(shards, local, group=self.mesh.cp_group)
+        return layout.unshard(shards).cpu()
+
+    # ----------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict:
+        """Everything a resumed run needs, as a DCP state dict. Weights and optimizer state
+        are replicated, so DCP writes them once; the loader position and the RNG state are the
+        job's (identical on every rank), so a checkpoint loads at any dp or cp degree."""
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        rng = {"torch": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        return {
+            "model": model_state,
+            "optimizer": optimizer_state,
+            "loader": self.loader.state_dict(),
+            "rng": rng,
+            "step": self.step_count,
+            "model_config": json.dumps(self.options.model.to_dict(), sort_keys=True),
+        }
+
+    def save_checkpoint(self, store: CheckpointStore) -> CheckpointRef:
+        """Write and commit a checkpoint of the current step (collective)."""
+        return store.save(self.step_count, self.state_dict(), keep=self.options.checkpoint_keep)
+
+    def load_checkpoint(self, store: CheckpointStore, ref: CheckpointRef) -> None:
+        """Restore weights, optimizer, schedule position, loader position and RNG state."""
+        state = self.state_dict()
+        store.load(ref, state)
+        saved_config = json.loads(state["model_config"])
+        if saved_config != self.options.model.to_dict():
+            changed = sorted(
+                k for k in saved_config if saved_config[k] != self.options.model.to_dict().get(k)
+            )
+            raise ValueError(
+                f"model: checkpoint {ref.location} was trained with a different model "
+                f"(fields that differ: {changed})"
+            )
+        set_state_dict(
+            self.model, self.optimizer,
+            model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+        )
+        self.loader.load_state_dict(state["loader"])
+        self.step_count = int(state["step"])
+        torch.set_rng_state(state["rng"]["torch"])
+        if "cuda" in state["rng"]:
+            torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)

@@ -1,0 +1,91 @@
+"""Small training runs shared by the trainer tests: the options, and rank functions that the
+gloo launcher runs in fresh processes (so they live in an importable module)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import torch
+
+from ringray.model import model_preset
+from ringray.train import CheckpointStore, OptimizerOptions, Trainer, TrainOptions, run_training
+
+TINY_MODEL = model_preset("debug", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128)
+
+
+def tiny_options(run_dir: str, **overrides) -> TrainOptions:
+    """A two-layer model on 64-token sequences of the standard library, float32, SDPA."""
+    base = TrainOptions(
+        model=TINY_MODEL,
+        seq_len=64,
+        global_batch=2,
+        steps=3,
+        attention_backend="sdpa",
+        precision="fp32",
+        optimizer=OptimizerOptions(lr=1e-2, warmup_steps=1),
+        peak_flops_per_device=1e12,  # a fixed peak: no matmul measurement in tests
+        run_dir=run_dir,
+    )
+    return replace(base, **overrides)
+
+
+def snapshot(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+
+
+def gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {name: p.grad.detach().clone() for name, p in trainer.model.named_parameters()}
+
+
+def record_steps(options: TrainOptions, steps: int) -> dict:
+    """Losses and (all-reduced, clipped) gradients of each step, and the final weights."""
+    trainer = Trainer(options)
+    losses, grads = [], []
+    for _ in range(steps):
+        losses.append(trainer.step().loss)
+        grads.append(gradients(trainer))
+    return {"losses": losses, "grads": grads, "weights": snapshot(trainer)}
+
+
+def rank_record_steps(rank: int, world: int, runs: list[TrainOptions], steps: int) -> list[dict]:
+    return [record_steps(options, steps) for options in runs]
+
+
+def rank_run_training(
+    rank: int, world: int, runs: list[tuple[TrainOptions, int | None]]
+) -> list[dict]:
+    """``run_training`` for each (options, stop_after); the final weights of each run."""
+    out = []
+    for options, stop_after in runs:
+        result = run_training(options, stop_after=stop_after, log=lambda _: None)
+        trainer_weights = _weights_from_checkpoint(options) if stop_after is None else None
+        out.append({"resumed_from": result.resumed_from, "last_step": result.last_step,
+                    "weights": trainer_weights})
+    return out
+
+
+def _weights_from_checkpoint(options: TrainOptions) -> dict[str, torch.Tensor]:
+    """The weights of the newest complete checkpoint, read back through a fresh trainer."""
+    store = CheckpointStore(options.checkpoint_location)
+    trainer = Trainer(replace(options, resume=False))
+    trainer.load_checkpoint(store, store.latest())
+    return snapshot(trainer)
+
+
+def rank_crash_while_saving(rank: int, world: int, options: TrainOptions) -> None:
+    """Checkpoint step 3, train to step 5, then die on rank 1 after the shards of step 5 are
+    written and before the checkpoint is committed."""
+    trainer = Trainer(options)
+    store = CheckpointStore(options.checkpoint_location)
+    for _ in range(3):
+        trainer.step()
+    trainer.save_checkpoint(store)
+    for _ in range(2):
+        trainer.step()
+    if rank == 1:
+        def die(*args, **kwargs):
+            os._exit(17)
+
+        store._commit = die  # the crash point: shards written, commit not started
+    trainer.save_checkpoint(store)
