@@ -119,6 +119,7 @@ class TrainSpec(_Section):
     activation_checkpointing: bool = Field(
         False, description="Recompute each block in the backward pass to save memory."
     )
+    log_every: int = Field(10, ge=1, description="Print a progress line every N steps.")
     peak_tflops_per_device: float | None = Field(
         None, gt=0,
         description="Peak TFLOP/s per device for MFU; null: a known GPU's bf16 peak, or a "
@@ -215,6 +216,7 @@ class JobSpec(_Section):
             checkpoint_interval=self.checkpoint.interval,
             checkpoint_keep=self.checkpoint.keep,
             resume=self.checkpoint.resume,
+            log_every=train.log_every,
             passkey=PasskeyEvalOptions(
                 lengths=tuple(self.eval.passkey_lengths),
                 depths=tuple(self.eval.passkey_depths),

@@ -59,13 +59,13 @@ def rank_run_training(
     out = []
     for options, stop_after in runs:
         result = run_training(options, stop_after=stop_after, log=lambda _: None)
-        trainer_weights = _weights_from_checkpoint(options) if stop_after is None else None
+        trainer_weights = weights_from_checkpoint(options) if stop_after is None else None
         out.append({"resumed_from": result.resumed_from, "last_step": result.last_step,
                     "weights": trainer_weights})
     return out
 
 
-def _weights_from_checkpoint(options: TrainOptions) -> dict[str, torch.Tensor]:
+def weights_from_checkpoint(options: TrainOptions) -> dict[str, torch.Tensor]:
     """The weights of the newest complete checkpoint, read back through a fresh trainer."""
     store = CheckpointStore(options.checkpoint_location)
     trainer = Trainer(replace(options, resume=False))

@@ -21,6 +21,8 @@ from __future__ import annotations
 import json
 import re
 import time
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +60,15 @@ def _distributed() -> bool:
 def _barrier() -> None:
     if _distributed():
         dist.barrier()
+
+
+@contextmanager
+def _quiet_single_process():
+    """DCP warns that it assumes a single process when torch.distributed is not initialised;
+    here that is the intent (a 1-rank run), so the warning is noise."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _is_coordinator() -> bool:
@@ -107,7 +118,8 @@ class CheckpointStore:
                 self._fs.rm(partial, recursive=True)
         _barrier()
         partial_location = _join(self.location, name + _PARTIAL_SUFFIX)
-        dcp.save(state, storage_writer=self._writer(partial_location))
+        with _quiet_single_process():
+            dcp.save(state, storage_writer=self._writer(partial_location))
         self._commit(step, partial, keep)
         return CheckpointRef(step, _join(self.location, name))
 
@@ -143,7 +155,8 @@ class CheckpointStore:
         fs, path = fsspec.core.url_to_fs(ref.location)
         if not fs.exists(f"{path}/{COMPLETE_MARKER}"):
             raise ValueError(f"checkpoint {ref.location} is not complete (no {COMPLETE_MARKER})")
-        dcp.load(state, storage_reader=self._reader(ref.location))
+        with _quiet_single_process():
+            dcp.load(state, storage_reader=self._reader(ref.location))
 
     def _writer(self, location: str):
         return FsspecWriter(location) if _is_url(location) else FileSystemWriter(location)

@@ -60,7 +60,6 @@ def run_training(
     *,
     stop_after: int | None = None,
     log: Log = print,
-    log_every: int = 1,
 ) -> RunResult:
     """Train to ``options.steps`` (or stop after step ``stop_after``, as an interrupted run
     would), checkpointing every ``options.checkpoint_interval`` steps and at the end."""
@@ -95,7 +94,8 @@ def run_training(
         if is_writer:
             with steps_log.open("a") as f:
                 f.write(json.dumps(last_stats.to_dict()) + "\n")
-        if last_stats.step % log_every == 0 or last_stats.step == end:
+        step = last_stats.step
+        if step == 1 or step % options.log_every == 0 or step == end:
             say(format_step(last_stats, options.steps))
         if interval and last_stats.step % interval == 0:
             checkpoint = trainer.save_checkpoint(store)

@@ -59,6 +59,7 @@ class TrainOptions:
     checkpoint_path: str | None = None  # None: <run_dir>/checkpoints
     checkpoint_interval: int = 0  # steps between checkpoints; 0: only at the end
     checkpoint_keep: int = 3
+    log_every: int = 10  # print a progress line every this many steps (rank 0)
     resume: bool = True  # continue from the newest complete checkpoint when there is one
     passkey: PasskeyEvalOptions = field(default_factory=PasskeyEvalOptions)
 

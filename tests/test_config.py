@@ -1,0 +1,248 @@
+"""The job spec at the service edge: every field documented, unknown fields rejected, errors
+that name the field and what would be valid, ``--set`` overrides, and a faithful mapping to the
+trainer's options. Every YAML file under ``jobs/`` validates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from ringray.config import (
+    JobSpec,
+    JobSpecError,
+    apply_overrides,
+    load_job_spec,
+    parse_job_spec,
+)
+from ringray.model import model_preset
+from ringray.train.options import OptimizerOptions, PasskeyEvalOptions, TrainOptions
+
+JOBS_DIR = Path(__file__).resolve().parent.parent / "jobs"
+
+
+def _fields(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str | None]]:
+    """``(dotted name, description)`` of every field, descending into sections."""
+    out = []
+    for name, info in model.model_fields.items():
+        out.append((prefix + name, info.description))
+        if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
+            out.extend(_fields(info.annotation, f"{prefix}{name}."))
+    return out
+
+
+def test_every_field_has_a_description() -> None:
+    """The CLI prints descriptions as the spec's documentation: none may be missing."""
+    fields = _fields(JobSpec)
+    names = {name for name, _ in fields}
+    # The walk reached every section and the one nested below train.
+    assert {"model.preset", "data.path", "parallel.cp", "train.seq_len",
+            "train.optimizer.lr", "checkpoint.keep", "eval.passkey_lengths"} <= names
+    undocumented = [name for name, text in fields if not (text and text.strip())]
+    assert undocumented == []
+
+
+@pytest.mark.parametrize(
+    ("data", "needle"),
+    [
+        ({"train": {"stepz": 10}}, "train.stepz: Extra inputs are not permitted"),
+        ({"train": {"optimizer": {"learning_rate": 1.0}}}, "train.optimizer.learning_rate:"),
+        ({"bogus": 1}, "bogus: Extra inputs are not permitted"),
+    ],
+)
+def test_unknown_field_is_named(data: dict, needle: str) -> None:
+    with pytest.raises(JobSpecError) as info:
+        parse_job_spec(data)
+    assert needle in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("data", "needle"),
+    [
+        # zigzag splits a sequence into 2 * cp chunks.
+        ({"parallel": {"cp": 2}, "train": {"seq_len": 6}},
+         "train.seq_len: 6 cannot be split by layout 'zigzag' over cp=2 ranks; "
+         "use a multiple of 4"),
+        ({"parallel": {"cp": 3, "layout": "contiguous"}, "train": {"seq_len": 10}},
+         "train.seq_len: 10 cannot be split by layout 'contiguous' over cp=3 ranks; "
+         "use a multiple of 3"),
+        ({"parallel": {"cp": 4, "layout": "striped"}, "train": {"seq_len": 4098}},
+         "use a multiple of 4"),
+        ({"parallel": {"cp": 2}, "train": {"seq_len": 8}, "eval": {"passkey_lengths": [8, 1002]}},
+         "eval.passkey_lengths: 1002 cannot be split by layout 'zigzag' over cp=2 ranks; "
+         "use a multiple of 4"),
+        ({"model": {"n_heads": 4, "n_kv_heads": 3}},
+         "model.n_kv_heads: n_heads=4 is not divisible by n_kv_heads=3"),
+        ({"model": {"dim": 130}}, "model.dim: 130 is not divisible by n_heads=4"),
+        ({"parallel": {"dp": 3}, "train": {"global_batch": 4}},
+         "train.global_batch: 4 does not split over parallel.dp=3 replicas; use a multiple of 3"),
+        ({"data": {"source": "files"}}, "data.path: required when data.source is 'files'"),
+        ({"parallel": {"layout": "spiral"}},
+         "parallel.layout: unknown layout 'spiral'; valid: contiguous, zigzag, striped"),
+        ({"parallel": {"attention_backend": "flash"}},
+         "parallel.attention_backend: unknown backend 'flash'; valid: auto, reference, sdpa"),
+        ({"model": {"preset": "70b"}},
+         "model.preset: unknown preset '70b'; valid: debug, small, 1b, 8b"),
+        ({"data": {"source": "web"}}, "data.source:"),
+        ({"train": {"optimizer": {"lr": 0}}}, "train.optimizer.lr: Input should be greater than 0"),
+        ({"parallel": {"dp": 0}}, "parallel.dp: Input should be greater than or equal to 1"),
+    ],
+)
+def test_invalid_spec_names_the_field_and_what_is_valid(data: dict, needle: str) -> None:
+    with pytest.raises(JobSpecError) as info:
+        parse_job_spec(data)
+    assert needle in str(info.value)
+
+
+def test_valid_cross_field_combinations_pass() -> None:
+    """The same checks accept values that fit: zigzag over cp=2 at a multiple of 4, a batch
+    that splits over dp, files with a path; with cp left to the world size, the sequence
+    length is checked at launch instead."""
+    parse_job_spec({"parallel": {"cp": 2}, "train": {"seq_len": 12},
+                    "eval": {"passkey_lengths": [8, 1000]}})
+    parse_job_spec({"parallel": {"dp": 2, "cp": None}, "train": {"global_batch": 4,
+                                                                  "seq_len": 7}})
+    parse_job_spec({"data": {"source": "files", "path": "/tmp/texts"}})
+    parse_job_spec({"model": {"preset": "1b", "n_kv_heads": 32}})
+
+
+def test_apply_overrides_parses_yaml_values() -> None:
+    """``section.key=value`` sets nested keys, creating sections; values are YAML scalars."""
+    data = {"train": {"steps": 5}, "name": "x"}
+    apply_overrides(data, [
+        "train.steps=20",
+        "train.activation_checkpointing=true",
+        "parallel.cp=null",
+        "train.optimizer.lr=0.5",
+        "model.preset=small",
+        "name = spaced ",
+        "eval.passkey_lengths=[64, 128]",
+        "data.path=a=b",
+    ])
+    assert data == {
+        "train": {"steps": 20, "activation_checkpointing": True, "optimizer": {"lr": 0.5}},
+        "parallel": {"cp": None},
+        "model": {"preset": "small"},
+        "name": "spaced",
+        "eval": {"passkey_lengths": [64, 128]},
+        "data": {"path": "a=b"},
+    }
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("train.steps", "--set 'train.steps': expected section.key=value"),
+        ("=3", "--set '=3': expected section.key=value"),
+        ("name.first=1", "name.first: 'name' is not a section"),
+    ],
+)
+def test_malformed_override(override: str, needle: str) -> None:
+    with pytest.raises(JobSpecError) as info:
+        apply_overrides({"name": "job"}, [override])
+    assert needle in str(info.value)
+
+
+def test_load_job_spec_with_overrides(tmp_path: Path) -> None:
+    """Overrides apply on top of the file and the result is validated as a whole."""
+    path = tmp_path / "job.yaml"
+    path.write_text("name: demo\nparallel:\n  cp: 2\ntrain:\n  seq_len: 64\n  steps: 5\n")
+    spec = load_job_spec(path, ["train.steps=7", "train.seq_len=128", "parallel.dp=null"])
+    assert (spec.name, spec.train.steps, spec.train.seq_len) == ("demo", 7, 128)
+    assert (spec.parallel.dp, spec.parallel.cp) == (None, 2)
+    with pytest.raises(JobSpecError, match=r"train.seq_len: 66 cannot be split"):
+        load_job_spec(path, ["train.seq_len=66"])
+    with pytest.raises(JobSpecError, match=r"train.stepz"):
+        load_job_spec(path, ["train.stepz=1"])
+
+
+def test_load_job_spec_file_errors(tmp_path: Path) -> None:
+    """A missing file, a file that is not YAML, and YAML that is not a mapping each name the
+    file; an empty file is the all-defaults spec."""
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(JobSpecError, match=r"nope.yaml: cannot read the job spec"):
+        load_job_spec(missing)
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- a\n- b\n")
+    with pytest.raises(JobSpecError, match=r"list.yaml: a job spec is a mapping of sections, "
+                                           r"got list"):
+        load_job_spec(listing)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("train: [1, 2\n")
+    with pytest.raises(JobSpecError, match=r"broken.yaml: not valid YAML"):
+        load_job_spec(broken)
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    assert load_job_spec(empty) == JobSpec()
+
+
+def test_train_options_maps_every_field() -> None:
+    """Each spec field lands in the matching option: TFLOP/s become FLOP/s, the model is the
+    preset with the overrides, tuples for the passkey grid."""
+    spec = parse_job_spec({
+        "name": "mapped",
+        "run_dir": "/scratch/run",
+        "model": {"preset": "small", "n_layers": 2, "rope_theta": 1000.0},
+        "data": {"source": "files", "path": "/data", "seed": 3},
+        "parallel": {"dp": 2, "cp": 2, "layout": "striped", "attention_backend": "reference"},
+        "train": {
+            "steps": 9, "global_batch": 6, "seq_len": 128, "seed": 5, "precision": "bf16",
+            "activation_checkpointing": True, "peak_tflops_per_device": 312,
+            "optimizer": {"lr": 0.01, "min_lr_ratio": 0.2, "warmup_steps": 3,
+                          "weight_decay": 0.0, "beta1": 0.8, "beta2": 0.9, "eps": 1e-6,
+                          "grad_clip": 0.5},
+        },
+        "checkpoint": {"path": "s3://bucket/job", "interval": 4, "keep": 1, "resume": False},
+        "eval": {"passkey_lengths": [64, 128], "passkey_depths": [0.5], "passkey_samples": 2},
+    })
+    want = TrainOptions(
+        model=model_preset("small", n_layers=2, rope_theta=1000.0),
+        seq_len=128,
+        global_batch=6,
+        steps=9,
+        dp=2,
+        cp=2,
+        layout="striped",
+        attention_backend="reference",
+        data_source="files",
+        data_path="/data",
+        data_seed=3,
+        seed=5,
+        optimizer=OptimizerOptions(lr=0.01, min_lr_ratio=0.2, warmup_steps=3, weight_decay=0.0,
+                                   beta1=0.8, beta2=0.9, eps=1e-6, grad_clip=0.5),
+        precision="bf16",
+        activation_checkpointing=True,
+        peak_flops_per_device=312e12,
+        run_dir="/scratch/run",
+        checkpoint_path="s3://bucket/job",
+        checkpoint_interval=4,
+        checkpoint_keep=1,
+        resume=False,
+        passkey=PasskeyEvalOptions(lengths=(64, 128), depths=(0.5,), samples_per_cell=2),
+    )
+    got = spec.train_options()
+    assert got == want
+    assert got.model.dim == 512 and got.model.n_layers == 2  # the preset, overridden
+    assert got.checkpoint_location == "s3://bucket/job"
+
+
+def test_train_options_defaults() -> None:
+    """No run_dir: ``runs/<name>``, checkpoints under it; no peak: None (measured later)."""
+    options = parse_job_spec({"name": "quick"}).train_options()
+    assert options.run_dir == "runs/quick"
+    assert options.checkpoint_location == "runs/quick/checkpoints"
+    assert options.peak_flops_per_device is None
+    assert options.model == model_preset("debug")
+    assert options.optimizer == OptimizerOptions()
+
+
+def test_job_files_validate() -> None:
+    """Every job spec shipped under ``jobs/`` validates and maps to trainer options."""
+    failures = []
+    for path in sorted(JOBS_DIR.glob("*.yaml")):
+        try:
+            load_job_spec(path).train_options()
+        except (JobSpecError, ValueError) as exc:
+            failures.append(f"{path.name}: {exc}")
+    assert failures == []

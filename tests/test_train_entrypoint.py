@@ -1,0 +1,89 @@
+"""``python -m ringray.train`` under torchrun, as the README runs it: a short job writes its
+run directory (steps.jsonl with every StepStats field, checkpoints, passkey.json), a rerun
+resumes, and bad specs fail before training with the field named."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ringray.config import load_job_spec
+from ringray.train import StepStats
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "jobs/quickstart.yaml"
+
+
+def _train(nproc: int, *overrides: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    sets = [arg for item in overrides for arg in ("--set", item)]
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         str(nproc), "-m", "ringray.train", "--config", str(QUICKSTART), *sets],
+        capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT,
+    )
+
+
+def _small_job(run_dir: Path) -> list[str]:
+    return [
+        f"run_dir={run_dir}", "parallel.cp=2", "train.steps=3", "train.seq_len=256",
+        "checkpoint.interval=2", "eval.passkey_lengths=[256]", "eval.passkey_samples=1",
+        "train.peak_tflops_per_device=1.0",
+    ]
+
+
+def test_quickstart_spec_is_valid_as_shipped() -> None:
+    spec = load_job_spec(QUICKSTART)
+    assert spec.parallel.cp == 4 and spec.eval.passkey_lengths
+
+
+def test_a_short_job_writes_its_run_directory_and_resumes(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = _train(2, *_small_job(run_dir))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "dp=1 × cp=2 (zigzag)" in result.stdout
+    assert "passkey exact match" in result.stdout
+
+    steps = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    fields = {f.name for f in dataclasses.fields(StepStats)}
+    for stats in steps:
+        assert set(stats) == fields
+        assert len(stats["attention_compute_seconds"]) == 2  # one entry per rank
+        assert stats["mfu"] is not None and stats["mfu"] > 0
+        assert stats["tokens"] == 2 * 256  # global batch 2
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        "step_00000002", "step_00000003",
+    ]
+    passkey = json.loads((run_dir / "passkey.json").read_text())
+    assert passkey  # the report's JSON form, written by rank 0
+
+    again = _train(2, *_small_job(run_dir), "train.steps=4")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "(step 3)" in again.stdout and "step     4/4" in again.stdout
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["train.seq_len=1004"], "train.seq_len: 1004 cannot be split by layout 'zigzag' over "
+                                  "cp=4 ranks; use a multiple of 8"),
+        (["train.stepz=3"], "train.stepz: Extra inputs are not permitted"),
+    ],
+)
+def test_a_bad_spec_names_the_field(overrides: list[str], message: str) -> None:
+    result = _train(1, *overrides, timeout=120)
+    assert result.returncode != 0
+    assert message in result.stderr
+
+
+def test_a_mesh_that_does_not_fit_the_world_shows_the_arithmetic(tmp_path: Path) -> None:
+    result = _train(2, f"run_dir={tmp_path}", timeout=120)  # the spec asks for cp=4
+    assert result.returncode != 0
+    assert "1 × 4 = 4, but the world has 2 rank(s)" in result.stderr
