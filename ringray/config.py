@@ -229,12 +229,26 @@ class JobSpecError(ValueError):
     """A job spec that does not validate; the message names each bad field."""
 
 
+def _section_fields(loc: tuple) -> list[str]:
+    """The field names of the section at ``loc`` (a path of field names from JobSpec)."""
+    model: type[BaseModel] = JobSpec
+    for part in loc:
+        annotation = model.model_fields[part].annotation if part in model.model_fields else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return list(model.model_fields)
+
+
 def format_validation_error(exc: ValidationError) -> str:
-    """One line per problem: ``field.path: message``."""
+    """One line per problem: ``field.path: message`` (an unknown field lists the valid ones)."""
     lines = []
     for error in exc.errors():
         location = ".".join(str(part) for part in error["loc"])
         message = error["msg"].removeprefix("Value error, ")
+        if error["type"] == "extra_forbidden":
+            valid = _section_fields(tuple(error["loc"][:-1]))
+            message = f"unknown field; valid: {', '.join(valid)}"
         lines.append(f"{location}: {message}" if location else message)
     return "\n".join(lines)
 

@@ -169,19 +169,13 @@ def test_matches_hf_llama_float64() -> None:
 
     The tolerance is float32's, not float64's: both implementations form RMSNorm and the
     rotary tables in float32 even for float64 inputs (HF's ``LlamaRMSNorm`` casts to float32;
-    its rotary frequencies are float32; ours cast likewise, see
-    ``test_norm_and_rotary_are_float64_exact``). With those casts removed from both, the
-    logits agree to ~1e-15. The float64 run removes accumulation-order noise from the
+    its rotary frequencies are float32; ours stay in float64, see
+    ``test_norm_and_rotary_are_float64_exact``). With HF's casts removed too, the logits
+    agree to ~1e-15. The float64 run removes accumulation-order noise from the
     matmuls, so what remains is the rounding of those few casts (~1e-7 here)."""
     compare_with_hf(torch.float64, "reference", {"atol": 1e-6, "rtol": 1e-6})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="RMSNorm and apply_rotary compute in float32 and rotary_tables return float32 "
-    "even for float64 inputs (ringray/model/llama.py), so a float64 model is only "
-    "float32-accurate",
-)
 def test_norm_and_rotary_are_float64_exact() -> None:
     """For float64 inputs, RMSNorm and rotary agree with the float64 equations to 1e-12:
     ``x / sqrt(mean(x^2) + eps) * w`` and ``(x1 + i x2) * exp(i p theta^(-2m/d))``."""
@@ -194,7 +188,7 @@ def test_norm_and_rotary_are_float64_exact() -> None:
     torch.testing.assert_close(norm(x).detach(), want_norm.detach(), atol=1e-12, rtol=1e-12)
 
     positions = torch.tensor([0, 7, 1000, 65_000, 500_000])
-    cos, sin = rotary_tables(positions, 16, 10_000.0)
+    cos, sin = rotary_tables(positions, 16, 10_000.0, torch.float64)
     got = apply_rotary(x, cos, sin)
     torch.testing.assert_close(got, rotary_closed_form(x, positions, 10_000.0),
                                atol=1e-12, rtol=1e-12)

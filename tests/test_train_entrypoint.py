@@ -74,7 +74,7 @@ def test_a_short_job_writes_its_run_directory_and_resumes(tmp_path: Path) -> Non
     [
         (["train.seq_len=1004"], "train.seq_len: 1004 cannot be split by layout 'zigzag' over "
                                   "cp=4 ranks; use a multiple of 8"),
-        (["train.stepz=3"], "train.stepz: Extra inputs are not permitted"),
+        (["train.stepz=3"], "train.stepz: unknown field; valid: steps, global_batch"),
     ],
 )
 def test_a_bad_spec_names_the_field(overrides: list[str], message: str) -> None:

@@ -41,8 +41,13 @@ class RingContext:
         return self.layout.positions(self.rank).to(device)
 
 
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Norms and rotations run in float32 for half inputs and in float64 for float64 ones."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def rotary_tables(
-    positions: torch.Tensor, head_dim: int, theta: float
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin, ``(local_seq, head_dim)``, for the given global positions.
 
@@ -52,15 +57,16 @@ def rotary_tables(
     inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     angles = positions.to(torch.float64)[:, None] * inv_freq.to(positions.device)[None, :]
     angles = torch.cat((angles, angles), dim=-1)
-    return angles.cos().to(torch.float32), angles.sin().to(torch.float32)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` ``(batch, seq, heads, head_dim)`` by the tables (half-split convention)."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+    dtype = _compute_dtype(x.dtype)
+    cos, sin = cos[None, :, None, :].to(dtype), sin[None, :, None, :].to(dtype)
+    return (x.to(dtype) * cos + rotated.to(dtype) * sin).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -70,9 +76,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight.float()).to(x.dtype)
+        dtype = _compute_dtype(x.dtype)
+        wide = x.to(dtype)
+        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight.to(dtype)).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -167,7 +174,8 @@ class Transformer(nn.Module):
                 f"{ring.layout!r}, got a tensor of shape {tuple(tokens.shape)}"
             )
         cos, sin = rotary_tables(
-            ring.positions(tokens.device), self.config.head_dim, self.config.rope_theta
+            ring.positions(tokens.device), self.config.head_dim, self.config.rope_theta,
+            _compute_dtype(self.tok_embeddings.weight.dtype),
         )
         x = self.tok_embeddings(tokens)
         for block in self.layers:
