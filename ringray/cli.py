@@ -79,7 +79,65 @@ def bench_ring(
     _print_ring_tables(results)
 
 
+@bench_app.command("train")
+def bench_train(
+    config: str = typer.Option("jobs/quickstart.yaml", "--config", help="Job spec to run."),
+    layouts: str = typer.Option("zigzag,striped,contiguous", "--layouts",
+                                help="Comma-separated layouts to compare."),
+    steps: int = typer.Option(8, "--steps", min=1, help="Measured steps per layout."),
+    warmup: int = typer.Option(2, "--warmup", min=0, help="Steps run first, not measured."),
+    overrides: list[str] = typer.Option(  # noqa: B008 - typer's documented form
+        [], "--set", help="Override a spec field (repeatable), e.g. train.seq_len=8192."
+    ),
+    gpu: bool = typer.Option(False, "--gpu", help="One CUDA device: the 1b preset at --seq."),
+    seq: int = typer.Option(16384, "--seq", min=2, help="Sequence length for --gpu."),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
+) -> None:
+    """Tokens/s, MFU, overlap and load imbalance of a job spec, per layout.
+
+    Example: ringray bench train --config jobs/quickstart.yaml --steps 8
+    """
+    from ringray.bench.train import run_gpu_bench, run_train_bench
+    from ringray.config import JobSpecError
+
+    names = tuple(n.strip() for n in layouts.split(",") if n.strip())
+    try:
+        if gpu:
+            _err.print(f"training benchmark: 1b preset, seq {seq}, one CUDA device",
+                       highlight=False)
+            results = [run_gpu_bench(seq_len=seq, steps=steps, warmup=warmup)]
+        else:
+            _err.print(f"training benchmark: {config}, layouts {', '.join(names)}, "
+                       f"{warmup} + {steps} steps each", highlight=False)
+            with _err.status("training..."):
+                results = run_train_bench(config, layouts=names, steps=steps, warmup=warmup,
+                                          overrides=tuple(overrides))
+    except (JobSpecError, ValueError) as exc:
+        _fail(str(exc))
+    if as_json:
+        json.dump([asdict(r) for r in results], sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return
+    first = results[0]
+    Console().print(
+        f"{first.world} rank(s), seq {first.seq_len}, global batch {first.global_batch}; "
+        f"medians over {first.measured_steps} steps. overlap: share of the ring's transfer "
+        f"time hidden (worst rank); imbalance: max/mean attention compute.", highlight=False,
+    )
+    table = Table()
+    for col in ("layout", "tok/s", "step s", "MFU", "overlap", "imbal.", "peak MiB"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for r in results:
+        mfu = f"{r.mfu:.1%}" if r.mfu is not None else "n/a"
+        table.add_row(r.layout, f"{r.tokens_per_second:.0f}", f"{r.step_seconds:.3f}", mfu,
+                      f"{r.overlap_ratio:.3f}", f"{r.load_imbalance:.3f}",
+                      f"{r.peak_memory_bytes / 2**20:.0f}")
+    Console().print(table)
+
+
 def _print_ring_tables(results) -> None:
+    from ringray.attention.stats import overlap_ratio
+
     out = Console()
     for r in results:
         table = Table(title=f"layout: {r.layout}", title_justify="left")
@@ -89,7 +147,7 @@ def _print_ring_tables(results) -> None:
             zip(r.compute_seconds, r.exposed_comm_seconds, r.transfer_seconds, strict=True)
         ):
             table.add_row(str(rank), f"{c:.3f}", f"{e:.4f}", f"{t:.4f}",
-                          f"{1 - e / t if t else 1.0:.3f}")
+                          f"{overlap_ratio(e, t):.3f}")
         out.print(table)
     summary = Table(title="summary (compute = CPU seconds, forward + backward; imbalance = "
                     "max/mean; work eff. = ranks' compute / 1-process SDPA)",

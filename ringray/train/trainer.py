@@ -47,19 +47,24 @@ def default_device() -> torch.device:
 
 
 def device_peak_flops(device: torch.device) -> float | None:
-    """The peak an MFU is taken against: a known GPU's bf16 figure; on CPU, a float32 matmul
-    measured here (one process, a few hundred milliseconds)."""
+    """The peak an MFU is taken against: a known GPU's dense bf16 figure; on CPU, this
+    process's float32 matmul throughput, measured here (the best of five short trials, so a
+    busy moment on a shared machine does not lower it)."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         return next((peak for key, peak in _GPU_PEAK_FLOPS.items() if key in name), None)
     if device.type != "cpu":
         return None
-    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    size, reps = 512, 10
+    a, b = torch.randn(size, size), torch.randn(size, size)
     torch.mm(a, b)
-    reps, start = 20, time.perf_counter()
-    for _ in range(reps):
-        torch.mm(a, b)
-    return 2 * 512**3 * reps / (time.perf_counter() - start)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(reps):
+            torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 * reps / best
 
 
 def _peak_memory_bytes(device: torch.device) -> int:
@@ -108,9 +113,7 @@ class Trainer:
         self.optimizer = self._make_optimizer()
         self.autocast_dtype = self._autocast_dtype(options.precision)
         self.step_count = 0
-        self.peak_flops_per_device = options.peak_flops_per_device or device_peak_flops(
-            self.device
-        )
+        self.peak_flops_per_device = options.peak_flops_per_device or self._agreed_peak()
         self.flops_per_token = options.model.flops_per_token(options.seq_len, causal=True)
         self._transfer_seconds_per_byte = self._measure_transfer_rate()
 
@@ -145,6 +148,16 @@ class Trainer:
         if precision == "fp32":
             return None
         raise ValueError(f"train.precision: {precision!r} is not one of 'auto', 'fp32', 'bf16'")
+
+    def _agreed_peak(self) -> float | None:
+        """The device peak, measured per rank and agreed (the highest) so that every rank
+        reports the same MFU."""
+        peak = device_peak_flops(self.device)
+        if peak is None or not self.mesh.distributed:
+            return peak
+        agreed = torch.tensor([peak], dtype=torch.float64, device=self.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        return agreed.item()
 
     def _measure_transfer_rate(self) -> float:
         """Seconds per byte of this ring's exchanges with nothing else running (median of
