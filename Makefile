@@ -20,6 +20,11 @@ run: $(STAMP)
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 4 -m ringray.train \
 		--config jobs/quickstart.yaml
 
+## The measured figures of benchmarks/RESULTS.md (several minutes).
+bench: $(STAMP)
+	$(VENV)/bin/ringray bench ring
+	$(VENV)/bin/ringray bench train
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check ringray tests benchmarks examples
 
