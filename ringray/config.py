@@ -50,10 +50,11 @@ class ModelSpec(_Section):
 
 
 class DataSpec(_Section):
-    source: Literal["stdlib", "files"] = Field(
+    source: Literal["stdlib", "files", "passkey"] = Field(
         "stdlib",
         description="Training text: 'stdlib' (the Python standard library's source files, "
-        "no setup) or 'files' (the .txt/.jsonl files under data.path).",
+        "no setup), 'files' (the .txt/.jsonl files under data.path) or 'passkey' "
+        "(synthetic passkey-retrieval samples, one per sequence).",
     )
     path: str | None = Field(None, description="Directory of .txt/.jsonl files (source 'files').")
     seed: int = Field(0, description="Document order seed (the loader is deterministic).")
@@ -170,6 +171,11 @@ class JobSpec(_Section):
             raise ValueError(f"model.{exc}") from None
         if self.data.source == "files" and not self.data.path:
             raise ValueError("data.path: required when data.source is 'files'")
+        if self.data.source != "files" and self.data.path:
+            raise ValueError(
+                f"data.path: only read when data.source is 'files' (it is "
+                f"{self.data.source!r}); remove it or set data.source: files"
+            )
         dp, cp = self.parallel.dp, self.parallel.cp
         if dp is not None and self.train.global_batch % dp:
             raise ValueError(

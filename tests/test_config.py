@@ -60,6 +60,8 @@ def test_unknown_field_is_named(data: dict, needle: str) -> None:
 @pytest.mark.parametrize(
     ("data", "needle"),
     [
+        ({"data": {"source": "stdlib", "path": "/data"}},
+         "data.path: only read when data.source is 'files' (it is 'stdlib')"),
         # zigzag splits a sequence into 2 * cp chunks.
         ({"parallel": {"cp": 2}, "train": {"seq_len": 6}},
          "train.seq_len: 6 cannot be split by layout 'zigzag' over cp=2 ranks; "

@@ -101,7 +101,11 @@ class Trainer:
                 f"{self.tokenizer.vocab_size}"
             )
         self.loader = PackedLoader(
-            make_source(options.data_source, options.data_path), tokenizer=self.tokenizer,
+            make_source(
+                options.data_source, options.data_path, seq_len=options.seq_len,
+                seed=options.data_seed,
+            ),
+            tokenizer=self.tokenizer,
             seq_len=options.seq_len, global_batch=options.global_batch,
             dp_rank=self.mesh.dp_rank, dp_size=shape.dp, seed=options.data_seed,
         )
@@ -128,7 +132,7 @@ class Trainer:
         try:
             make_layout(options.layout, cp, options.seq_len)
         except ValueError as exc:
-            raise ValueError(f"train.seq_len: {exc}") from None
+            raise ValueError(f"train.seq_len: {str(exc).removeprefix('layout: ')}") from None
 
     def _make_optimizer(self) -> torch.optim.AdamW:
         opt = self.options.optimizer
