@@ -22,6 +22,12 @@ from ringray.model import MODEL_PRESETS, ModelConfig, model_preset
 from ringray.train.options import OptimizerOptions, PasskeyEvalOptions, TrainOptions
 
 
+def _one_of(value: str, valid: list[str], what: str) -> str:
+    if value not in valid:
+        raise ValueError(f"unknown {what} {value!r}; valid: {', '.join(valid)}")
+    return value
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -40,9 +46,7 @@ class ModelSpec(_Section):
     @field_validator("preset")
     @classmethod
     def _known_preset(cls, value: str) -> str:
-        if value not in MODEL_PRESETS:
-            raise ValueError(f"unknown preset {value!r}; valid: {', '.join(MODEL_PRESETS)}")
-        return value
+        return _one_of(value, list(MODEL_PRESETS), "preset")
 
     def build(self) -> ModelConfig:
         overrides = self.model_dump(exclude={"preset"}, exclude_none=True)
@@ -78,17 +82,12 @@ class ParallelSpec(_Section):
     @field_validator("layout")
     @classmethod
     def _known_layout(cls, value: str) -> str:
-        if value not in BUILTIN_LAYOUTS:
-            raise ValueError(f"unknown layout {value!r}; valid: {', '.join(BUILTIN_LAYOUTS)}")
-        return value
+        return _one_of(value, list(BUILTIN_LAYOUTS), "layout")
 
     @field_validator("attention_backend")
     @classmethod
     def _known_backend(cls, value: str) -> str:
-        valid = ["auto", *BACKENDS]
-        if value not in valid:
-            raise ValueError(f"unknown backend {value!r}; valid: {', '.join(valid)}")
-        return value
+        return _one_of(value, ["auto", *BACKENDS], "backend")
 
 
 class OptimizerSpec(_Section):

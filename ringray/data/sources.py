@@ -101,7 +101,24 @@ def _scan_jsonl(path: Path) -> list[_FileDocument]:
     return documents
 
 
-class DirectorySource:
+class _OnDiskSource:
+    """Documents that live in files and are read when the loader first needs them."""
+
+    _documents: tuple
+    _lengths: tuple[int, ...]
+
+    @property
+    def document_lengths(self) -> Sequence[int]:
+        return self._lengths
+
+    def read_document(self, index: int) -> bytes:
+        return self._documents[index].read()
+
+    def __len__(self) -> int:
+        return len(self._documents)
+
+
+class DirectorySource(_OnDiskSource):
     """Every ``.txt`` and ``.jsonl`` file under ``path``, recursively, by relative path.
 
     A ``.txt`` file is one document (its raw bytes); each non-blank line of a ``.jsonl``
@@ -133,16 +150,6 @@ class DirectorySource:
         self._documents = tuple(documents)
         self._lengths = tuple(d.length for d in documents)
 
-    @property
-    def document_lengths(self) -> Sequence[int]:
-        return self._lengths
-
-    def read_document(self, index: int) -> bytes:
-        return self._documents[index].read()
-
-    def __len__(self) -> int:
-        return len(self._documents)
-
     def describe(self) -> str:
         return f"files:{self.root} ({len(self)} documents, {sum(self._lengths)} tokens)"
 
@@ -165,7 +172,7 @@ def _stdlib_files(root: Path) -> list[tuple[str, Path, int]]:
     return sorted(found)
 
 
-class StdlibSource:
+class StdlibSource(_OnDiskSource):
     """The ``.py`` files of Python's standard library: long real text on any machine.
 
     Lengths come from file sizes, so construction only walks the directory (tens of
@@ -180,16 +187,6 @@ class StdlibSource:
             raise ValueError(f"no readable .py files under the standard library at {self.root}")
         self._documents = tuple(_FileDocument(file, size) for _, file, size in found)
         self._lengths = tuple(size for _, _, size in found)
-
-    @property
-    def document_lengths(self) -> Sequence[int]:
-        return self._lengths
-
-    def read_document(self, index: int) -> bytes:
-        return self._documents[index].read()
-
-    def __len__(self) -> int:
-        return len(self._documents)
 
     def describe(self) -> str:
         return f"stdlib:{self.root} ({len(self)} documents, {sum(self._lengths)} tokens)"

@@ -153,6 +153,11 @@ class Trainer:
             return None
         raise ValueError(f"train.precision: {precision!r} is not one of 'auto', 'fp32', 'bf16'")
 
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
     def _agreed_peak(self) -> float | None:
         """The device peak, measured per rank and agreed (the highest) so that every rank
         reports the same MFU."""
@@ -226,11 +231,7 @@ class Trainer:
         global_tokens = options.global_batch * options.seq_len
 
         self.optimizer.zero_grad(set_to_none=True)
-        autocast = (
-            torch.autocast(self.device.type, dtype=self.autocast_dtype)
-            if self.autocast_dtype is not None else nullcontext()
-        )
-        with autocast:
+        with self._autocast():
             logits = self.model(inputs, self.ring)
         loss_sum = F.cross_entropy(
             logits.float().flatten(0, 1), labels.flatten(), reduction="sum"
@@ -269,11 +270,7 @@ class Trainer:
             layout=layout, rank=self.mesh.cp_rank, group=self.mesh.cp_group,
             backend=self.options.attention_backend,
         )
-        autocast = (
-            torch.autocast(self.device.type, dtype=self.autocast_dtype)
-            if self.autocast_dtype is not None else nullcontext()
-        )
-        with autocast:
+        with self._autocast():
             logits = self.model(layout.shard(tokens, self.mesh.cp_rank).to(self.device), ring)
         local = logits.argmax(dim=-1)
         if cp == 1:
