@@ -39,10 +39,6 @@ class TrainBenchResult:
     measured_steps: int
 
 
-def _median(values: list[float]) -> float:
-    return statistics.median(values)
-
-
 def summarize(
     layout: str, world: int, options: TrainOptions, stats: list[dict]
 ) -> TrainBenchResult:
@@ -53,11 +49,11 @@ def summarize(
         world=world,
         seq_len=options.seq_len,
         global_batch=options.global_batch,
-        tokens_per_second=_median([r.tokens_per_second for r in rows]),
-        step_seconds=_median([r.step_seconds for r in rows]),
-        mfu=_median(mfus) if mfus else None,
-        overlap_ratio=_median([r.overlap_ratio for r in rows]),
-        load_imbalance=_median([r.load_imbalance for r in rows]),
+        tokens_per_second=statistics.median([r.tokens_per_second for r in rows]),
+        step_seconds=statistics.median([r.step_seconds for r in rows]),
+        mfu=statistics.median(mfus) if mfus else None,
+        overlap_ratio=statistics.median([r.overlap_ratio for r in rows]),
+        load_imbalance=statistics.median([r.load_imbalance for r in rows]),
         peak_memory_bytes=max(r.peak_memory_bytes for r in rows),
         measured_steps=len(rows),
     )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import resource
+import statistics
 import time
 from contextlib import nullcontext
 
@@ -25,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from ringray.attention import RingStats, make_layout
+from ringray.attention import Layout, RingStats, make_layout
 from ringray.attention.comm import RingComm, ring_transfer_seconds
 from ringray.data import ByteTokenizer, PackedLoader, make_source
 from ringray.model import RingContext, Transformer
@@ -86,9 +87,8 @@ class Trainer:
         self.device = device or default_device()
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         shape = resolve_mesh_shape(world_size=world, dp=options.dp, cp=options.cp)
-        self._check_options(options, shape.dp, shape.cp)
+        self.layout = self._checked_layout(options, shape.dp, shape.cp)
         self.mesh: Mesh = build_mesh(shape)
-        self.layout = make_layout(options.layout, shape.cp, options.seq_len)
         self.ring_stats = RingStats()
         self.ring = RingContext(
             layout=self.layout, rank=self.mesh.cp_rank, group=self.mesh.cp_group,
@@ -123,14 +123,15 @@ class Trainer:
 
     # ----------------------------------------------------------------- setup
     @staticmethod
-    def _check_options(options: TrainOptions, dp: int, cp: int) -> None:
+    def _checked_layout(options: TrainOptions, dp: int, cp: int) -> Layout:
+        """The layout of one sequence over the ring, once the batch and length fit the mesh."""
         if options.global_batch % dp:
             raise ValueError(
                 f"train.global_batch: {options.global_batch} sequences do not split evenly "
                 f"over dp={dp} replicas (use a multiple of {dp})"
             )
         try:
-            make_layout(options.layout, cp, options.seq_len)
+            return make_layout(options.layout, cp, options.seq_len)
         except ValueError as exc:
             raise ValueError(f"train.seq_len: {str(exc).removeprefix('layout: ')}") from None
 
@@ -182,7 +183,7 @@ class Trainer:
         for _ in range(3):
             seconds, nbytes = ring_transfer_seconds(comm, k_block)
             rates.append(seconds / nbytes if nbytes else 0.0)
-        return sorted(rates)[1]
+        return statistics.median(rates)
 
     # ----------------------------------------------------------------- training
     def _local_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -244,13 +245,15 @@ class Trainer:
         self.step_count += 1
 
         totals = self.ring_stats.totals()  # resolves CUDA events: once per step, here
-        report = [
-            loss_sum.item(), totals.compute_seconds, totals.exposed_comm_seconds,
-            float(totals.bytes_sent), self._transfer_seconds_per_byte,
-            float(_peak_memory_bytes(self.device)),
-        ]
-        assert len(report) == len(REPORT_FIELDS)
-        reports = self._gather_reports(report)
+        report = {
+            "loss_sum": loss_sum.item(),
+            "attention_compute_seconds": totals.compute_seconds,
+            "exposed_comm_seconds": totals.exposed_comm_seconds,
+            "ring_bytes_sent": float(totals.bytes_sent),
+            "transfer_seconds_per_byte": self._transfer_seconds_per_byte,
+            "peak_memory_bytes": float(_peak_memory_bytes(self.device)),
+        }
+        reports = self._gather_reports([report[name] for name in REPORT_FIELDS])
         return summarize_step(
             reports, shape=self.mesh.shape, step=self.step_count, grad_norm=grad_norm.item(),
             learning_rate=lr, step_seconds=time.perf_counter() - start, tokens=global_tokens,
@@ -305,11 +308,9 @@ class Trainer:
         """Restore weights, optimizer, schedule position, loader position and RNG state."""
         state = self.state_dict()
         store.load(ref, state)
-        saved_config = json.loads(state["model_config"])
-        if saved_config != self.options.model.to_dict():
-            changed = sorted(
-                k for k in saved_config if saved_config[k] != self.options.model.to_dict().get(k)
-            )
+        saved_config, config = json.loads(state["model_config"]), self.options.model.to_dict()
+        if saved_config != config:
+            changed = sorted(k for k in saved_config if saved_config[k] != config.get(k))
             raise ValueError(
                 f"model: checkpoint {ref.location} was trained with a different model "
                 f"(fields that differ: {changed})"

@@ -20,11 +20,14 @@ under ``TRITON_INTERPRET=1``; its speed is only meaningful on a GPU.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
-_LOG2E = 1.4426950408889634
+_LOG2E = 1 / math.log(2)
+_LN2 = tl.constexpr(math.log(2))  # the kernel works in base 2; its LSE comes out in base e
 
 
 @triton.jit
@@ -93,7 +96,7 @@ def _forward_kernel(
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)
     block_out = acc / l_safe[:, None]
-    block_lse = tl.where(seen, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
+    block_lse = tl.where(seen, (m_i + tl.log2(l_safe)) * _LN2, float("-inf"))
     out_ptrs = OUT + b * sob + h * soh + rows[:, None] * sos + dims[None, :] * sod
     lse_ptrs = LSE + b * slb + h * slh + rows * sls
     io_mask = row_ok[:, None] & dim_ok[None, :]
