@@ -3,31 +3,42 @@
     out, lse = block_forward(q, k, v, q_pos, k_pos, causal=True, scale=0.125)
     block_forward(q, k, v, q_pos, k_pos, causal=True, scale=s, out=acc_out, lse=acc_lse)
 
-``q`` is ``(batch, q_heads, sq, d)``, ``k``/``v`` ``(batch, kv_heads, sk, d)`` (any strides,
-so the ring's transposed views need no copy); GQA/MQA by indexing the kv head. ``q_pos`` and
-``k_pos`` are the tokens' global positions. Each (query tile, key tile) pair is classified
-from per-tile position ranges computed once on the host: *empty* (every key after every
-query: skipped, never loaded), *full* (every key at or before every query: no mask) or
-*straddling* (the only tiles that load positions and apply ``q_pos >= k_pos``).
+``q`` is ``(batch, q_heads, sq, d)``, ``k``/``v`` ``(batch, kv_heads, sk, d)`` in float16,
+bfloat16 or float32 (any strides, so the ring's transposed views need no copy); GQA/MQA by
+indexing the kv head, never by repeating it. ``q_pos`` and ``k_pos`` are the tokens' global
+positions. Each (query tile, key tile) pair is classified from per-tile position ranges
+computed once per call on the device: *empty* (every key after every query: skipped, never
+loaded), *full* (every key at or before every query: no mask) or *straddling* (the only
+tiles that load positions and apply ``q_pos >= k_pos``). A key tile that runs past the end
+of the block is masked too; nothing else is.
 
-With ``out``/``lse`` given (float32, ``(batch, q_heads, sq, d)`` / ``(batch, q_heads, sq)``),
-the block's result is merged into them in place with the log-sum-exp rule: the ring step's
-merge costs no extra pass. Rows that see no key keep ``lse = -inf`` and output 0.
+With ``out``/``lse`` given (float32, ``(batch, q_heads, sq, d)`` / ``(batch, q_heads, sq)``,
+initialised to 0 / -inf), the block's result is merged into them in place with the
+log-sum-exp rule, so the ring step's merge costs no extra pass over the output. Rows that
+see no key keep ``lse = -inf`` and output 0. Head dims that are not a power of two (80, 96)
+are padded inside the kernel (masked loads), never in memory.
 
-Work in progress for issue 3: forward only, not yet registered as a backend. Runs on CPU
-under ``TRITON_INTERPRET=1``; its speed is only meaningful on a GPU.
+Launch shapes come from :mod:`.triton_config`. The registered backend that calls this is
+:class:`~ringray.attention.backends.triton.TritonBackend`. On CPU the kernel runs in Triton's
+interpreter (``TRITON_INTERPRET=1``); its speed is only meaningful on a GPU.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
 import triton.language as tl
 
-_LOG2E = 1 / math.log(2)
-_LN2 = tl.constexpr(math.log(2))  # the kernel works in base 2; its LSE comes out in base e
+from ringray.attention.backends.triton_common import (
+    LN2,
+    LOG2E,
+    dot_mode,
+    mma,
+    padded_head_dim,
+    positions_int32,
+    tile_ranges,
+)
+from ringray.attention.backends.triton_config import TileConfig, kernel_configs
 
 
 @triton.jit
@@ -37,6 +48,7 @@ def _forward_kernel(
     sob, soh, sos, sod, slb, slh, sls,
     q_heads, group, sq, sk, num_k_tiles, scale_log2,
     CAUSAL: tl.constexpr, MERGE: tl.constexpr, COUNT: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     tile_m = tl.program_id(0)
@@ -52,6 +64,8 @@ def _forward_kernel(
         Q + b * sqb + h * sqh + rows[:, None] * sqs + dims[None, :] * sqd,
         mask=row_ok[:, None] & dim_ok[None, :], other=0.0,
     )
+    q_lo = 0
+    q_hi = 0
     if CAUSAL:
         q_pos = tl.load(QPOS + rows, mask=row_ok, other=-1)
         q_lo = tl.load(QMIN + tile_m)
@@ -76,12 +90,15 @@ def _forward_kernel(
                 K + b * skb + kv_h * skh + cols[None, :] * sks + dims[:, None] * skd,
                 mask=col_ok[None, :] & dim_ok[:, None], other=0.0,
             )
-            scores = tl.dot(q, k).to(tl.float32) * scale_log2  # base-2 exponent units
-            allowed = col_ok[None, :] & row_ok[:, None]
-            if straddles:
-                k_pos = tl.load(KPOS + cols, mask=col_ok, other=0)
-                allowed = allowed & (q_pos[:, None] >= k_pos[None, :])
-            scores = tl.where(allowed, scores, float("-inf"))
+            scores = mma(q, k, None, UPCAST, PRECISION) * scale_log2  # base-2 exponent units
+            # Padded query rows need no mask (q is 0 there and their results are not stored);
+            # padded key columns would get weight, so the block's last tile is masked.
+            if straddles | ((tile_n + 1) * BLOCK_N > sk):
+                allowed = col_ok[None, :]
+                if CAUSAL:
+                    k_pos = tl.load(KPOS + cols, mask=col_ok, other=0)
+                    allowed = allowed & (q_pos[:, None] >= k_pos[None, :])
+                scores = tl.where(allowed, scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp2(scores - m_safe[:, None])
@@ -91,12 +108,12 @@ def _forward_kernel(
                 V + b * svb + kv_h * svh + cols[:, None] * svs + dims[None, :] * svd,
                 mask=col_ok[:, None] & dim_ok[None, :], other=0.0,
             )
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            acc = mma(p.to(v.dtype), v, acc * alpha[:, None], UPCAST, PRECISION)
             m_i = m_new
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)
     block_out = acc / l_safe[:, None]
-    block_lse = tl.where(seen, (m_i + tl.log2(l_safe)) * _LN2, float("-inf"))
+    block_lse = tl.where(seen, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
     out_ptrs = OUT + b * sob + h * soh + rows[:, None] * sos + dims[None, :] * sod
     lse_ptrs = LSE + b * slb + h * slh + rows * sls
     io_mask = row_ok[:, None] & dim_ok[None, :]
@@ -108,9 +125,8 @@ def _forward_kernel(
         w_old = tl.exp(old_lse - top)
         w_new = tl.exp(block_lse - top)
         total = w_old + w_new
-        merged_lse = tl.where(total > 0, top + tl.log(tl.where(total > 0, total, 1.0)),
-                              float("-inf"))
         denom = tl.where(total > 0, total, 1.0)
+        merged_lse = tl.where(total > 0, top + tl.log(denom), float("-inf"))
         merged = (old_out * w_old[:, None] + block_out * w_new[:, None]) / denom[:, None]
         tl.store(out_ptrs, merged, mask=io_mask)
         tl.store(lse_ptrs, merged_lse, mask=row_ok)
@@ -121,28 +137,16 @@ def _forward_kernel(
         tl.atomic_add(VISITS, visited)
 
 
-def tile_ranges(positions: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-tile minimum and maximum global position (the last tile may be short)."""
-    n = positions.numel()
-    tiles = -(-n // block)
-    padded_min = torch.full((tiles * block,), torch.iinfo(torch.int32).max, dtype=torch.int32,
-                            device=positions.device)
-    padded_max = torch.full((tiles * block,), -1, dtype=torch.int32, device=positions.device)
-    padded_min[:n] = positions
-    padded_max[:n] = positions
-    return (padded_min.view(tiles, block).amin(1).contiguous(),
-            padded_max.view(tiles, block).amax(1).contiguous())
-
-
 def block_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q_pos: torch.Tensor, k_pos: torch.Tensor, *,
     causal: bool, scale: float,
     out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-    block_m: int = 32, block_n: int = 32, visits: torch.Tensor | None = None,
+    config: TileConfig | None = None, visits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` over one K/V block; merged into ``out``/``lse`` when given.
 
+    ``config`` overrides the launch shape from :func:`~.triton_config.kernel_configs`.
     ``visits`` (an int32 tensor of one element) counts the (query tile, key tile) pairs the
     kernel computed, for tests of the tile skipping.
     """
@@ -154,19 +158,20 @@ def block_forward(
     if not merge:
         out = torch.empty(batch, q_heads, sq, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(batch, q_heads, sq, dtype=torch.float32, device=q.device)
-    q_pos32 = q_pos.to(device=q.device, dtype=torch.int32).contiguous()
-    k_pos32 = k_pos.to(device=q.device, dtype=torch.int32).contiguous()
-    q_min, q_max = tile_ranges(q_pos32, block_m)
-    k_min, k_max = tile_ranges(k_pos32, block_n)
-    counter = visits if visits is not None else torch.zeros(1, dtype=torch.int32,
-                                                            device=q.device)
+    cfg = config or kernel_configs(head_dim, q.dtype, q.device).forward
+    q_pos32, k_pos32 = positions_int32(q_pos, q.device), positions_int32(k_pos, q.device)
+    q_min, q_max = tile_ranges(q_pos32, cfg.block_m)
+    k_min, k_max = tile_ranges(k_pos32, cfg.block_n)
+    counter = visits if visits is not None else q_min  # never written unless counting
+    upcast, precision = dot_mode(q.dtype, q.device)
     grid = (q_min.numel(), batch * q_heads)
     _forward_kernel[grid](
         q, k, v, q_pos32, k_pos32, q_min, q_max, k_min, k_max, out, lse, counter,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
-        q_heads, q_heads // kv_heads, sq, sk, k_min.numel(), scale * _LOG2E,
+        q_heads, q_heads // kv_heads, sq, sk, k_min.numel(), scale * LOG2E,
         CAUSAL=causal, MERGE=merge, COUNT=visits is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        HEAD_DIM=head_dim,
+        UPCAST=upcast, PRECISION=precision,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=padded_head_dim(head_dim),
+        HEAD_DIM=head_dim, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
