@@ -25,3 +25,10 @@ def position_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, device: torch.device
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """float64 stays float64; everything else accumulates in float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def softmax_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``rowsum(dout * out)``, ``(..., seq)``, in the accumulation dtype: the attention
+    backward's per-row term, over the *final* output. A ring computes it once per call."""
+    acc = accumulation_dtype(dout.dtype)
+    return torch.einsum("...sd,...sd->...s", dout.to(acc), out.to(acc))

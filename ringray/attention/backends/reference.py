@@ -14,6 +14,7 @@ from ringray.attention.backends.common import (
     expand_kv_heads,
     position_mask,
     reduce_kv_heads,
+    softmax_delta,
 )
 from ringray.attention.plan import PieceKind
 
@@ -50,7 +51,7 @@ class ReferenceBackend:
         k_full = expand_kv_heads(k, q.shape[1]).to(acc)
         dv = torch.matmul(probs.transpose(-1, -2), dout)
         dprobs = torch.matmul(dout, v_full.transpose(-1, -2))
-        delta = (dout * out).sum(-1, keepdim=True)  # rowsum(dO * O) over the *final* output
+        delta = softmax_delta(dout, out).unsqueeze(-1)  # over the *final* output
         dscores = probs * (dprobs - delta) * scale
         dq = torch.matmul(dscores, k_full)
         dk = torch.matmul(dscores.transpose(-1, -2), q.to(acc))
