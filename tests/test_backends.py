@@ -1,12 +1,18 @@
 """Local block-attention backends against float64 math, every piece kind, forward and
-backward, including rows that see no key and causal squares large enough to be split."""
+backward, including rows that see no key and causal squares large enough to be split.
+``triton`` runs in Triton's interpreter on CPU (conftest.py sets ``TRITON_INTERPRET=1``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ringray.attention.backends import BACKENDS, resolve_backend
+from ringray.attention.backends import (
+    BACKENDS,
+    FusedStepBackend,
+    auto_candidates,
+    resolve_backend,
+)
 from ringray.attention.backends.sdpa import CPU_CAUSAL_LEAF, causal_quadtree
 from ringray.attention.plan import PieceKind
 
@@ -63,7 +69,10 @@ def check_backend(name, kind, sq, sk, q_pos, k_pos, dtype=torch.float32, hkv=2, 
     return lse
 
 
-@pytest.mark.parametrize("name", ["reference", "sdpa"])
+NAMES = ["reference", "sdpa", "triton"]
+
+
+@pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("hkv", [4, 2, 1])
 def test_full_and_causal_pieces(name, hkv):
     pos = torch.arange(40)
@@ -89,7 +98,7 @@ def test_causal_quadtree_covers_the_triangle_once(size, leaf):
     assert torch.equal(grid, torch.ones(size, size, dtype=torch.int32).tril())
 
 
-@pytest.mark.parametrize("name", ["reference", "sdpa"])
+@pytest.mark.parametrize("name", NAMES)
 def test_masked_piece_with_rows_that_see_no_key(name):
     """Rows whose keys all lie in the future: out 0, lse -inf, finite zero gradients."""
     g = torch.Generator().manual_seed(3)
@@ -101,7 +110,7 @@ def test_masked_piece_with_rows_that_see_no_key(name):
     assert torch.isfinite(lse[:, :, 1:][lse[:, :, 1:] > -1e30]).all()
 
 
-@pytest.mark.parametrize("name", ["reference", "sdpa"])
+@pytest.mark.parametrize("name", NAMES)
 def test_bfloat16_inputs(name):
     pos = torch.arange(32)
     check_backend(name, PieceKind.CAUSAL, 32, 32, pos, pos, dtype=torch.bfloat16, tol=2e-2)
@@ -117,10 +126,26 @@ def test_reference_runs_in_float64():
 def test_resolve_backend_choices_and_errors():
     assert resolve_backend("auto", CPU, torch.float32).name == "sdpa"
     assert resolve_backend("reference", CPU, torch.float64).name == "reference"
-    with pytest.raises(ValueError, match="unknown backend 'flash'; valid: auto, reference, sdpa"):
+    assert resolve_backend("triton", CPU, torch.bfloat16).name == "triton"  # interpreted
+    with pytest.raises(ValueError,
+                       match="unknown backend 'flash'; valid: auto, reference, sdpa, triton"):
         resolve_backend("flash", CPU, torch.float32)
     with pytest.raises(ValueError, match="'sdpa' does not support torch.int32"):
         resolve_backend("sdpa", CPU, torch.int32)
+    with pytest.raises(ValueError, match="'triton' does not support torch.float64"):
+        resolve_backend("triton", CPU, torch.float64)
+
+
+def test_auto_prefers_triton_on_cuda_only():
+    """``auto`` tries triton first on CUDA (triton is installed here), sdpa first on CPU."""
+    assert auto_candidates(torch.device("cuda")) == ("triton", "sdpa", "reference")
+    assert auto_candidates(CPU) == ("sdpa", "reference")
+
+
+def test_only_triton_offers_the_fused_ring_step():
+    assert isinstance(BACKENDS["triton"](), FusedStepBackend)
+    assert not isinstance(BACKENDS["sdpa"](), FusedStepBackend)
+    assert not isinstance(BACKENDS["reference"](), FusedStepBackend)
 
 
 @pytest.mark.gpu

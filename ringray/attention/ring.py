@@ -11,7 +11,11 @@ Forward: at step t this rank holds the K/V block that started on rank (r - t) mo
 next block's send/receive is posted before the step's compute and waited for after it, so
 the transfer hides behind the compute. Each step's pieces (see
 :mod:`ringray.attention.plan`) go to the local kernel and merge into float32 (out, LSE)
-accumulators with the online-softmax rule.
+accumulators with the online-softmax rule. A backend with the fused ring-step capability
+(:class:`~ringray.attention.backends.FusedStepBackend`, e.g. ``triton``) instead gets the
+whole block pair with its global positions, once per step, and merges inside its kernel;
+its backward gets ``delta = rowsum(dO * O)``, computed once per call, and adds into the
+float32 gradient accumulators.
 
 Backward: the forward ends holding block r + 1, and the backward starts there, rotating K/V
 the *other* way (receive from r + 1, send to r - 1): at step t it holds block (r + 1 + t)
@@ -28,8 +32,8 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
-from ringray.attention.backends import BlockAttentionBackend
-from ringray.attention.backends.common import accumulation_dtype
+from ringray.attention.backends import BlockAttentionBackend, FusedStepBackend
+from ringray.attention.backends.common import accumulation_dtype, softmax_delta
 from ringray.attention.comm import PendingExchange, RingComm
 from ringray.attention.layouts import Layout
 from ringray.attention.merge import merge_into
@@ -62,7 +66,7 @@ def ring_attention(
             list of global positions per rank.
         causal: apply ``q_pos >= k_pos`` on global positions.
         softmax_scale: defaults to ``head_dim ** -0.5``.
-        backend: local kernel: ``"auto"``, ``"sdpa"`` or ``"reference"``.
+        backend: local kernel: ``"auto"``, ``"triton"``, ``"sdpa"`` or ``"reference"``.
         return_lse: also return the natural-log LSE, ``(batch, q_heads, local_seq)``
             float32 (not differentiable).
         stats: a :class:`RingStats` that receives one record per ring step.
@@ -102,6 +106,12 @@ def _kernel_args(piece: Piece, layout: Layout, q_rank: int, k_rank: int) -> dict
     return {"kind": piece.kind, **positions}
 
 
+def _device_positions(layout: Layout, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Every rank's global positions as int32 on ``device``: moved once per ring call."""
+    return tuple(layout.positions(r).to(device=device, dtype=torch.int32)
+                 for r in range(layout.world_size))
+
+
 def _timer(stats: RingStats | None, device: torch.device) -> StepTimer:
     return stats.timer(device) if stats is not None else NULL_TIMER
 
@@ -133,38 +143,37 @@ class _RingAttention(torch.autograd.Function):
         out = torch.zeros(batch, q_heads, seq, head_dim, dtype=acc, device=q.device)
         lse = torch.full((batch, q_heads, seq), float("-inf"), dtype=acc, device=q.device)
         touched = torch.zeros(seq, dtype=torch.bool)  # rows that hold a partial result yet
+        fused = kernel if isinstance(kernel, FusedStepBackend) else None
+        positions = _device_positions(layout, q.device) if fused is not None else None
 
         for step in range(world):
             source = (rank - step) % world
             timer = _timer(stats, q.device)
             pending = comm.exchange([kv_block], [kv_incoming]) if step < world - 1 else None
             timer.start_compute()
-            for piece in plan.pieces[source]:
-                rows, keys = slice(piece.q_start, piece.q_end), slice(piece.k_start, piece.k_end)
-                block_out, block_lse = kernel.forward(
-                    q_t[:, :, rows], kv_block[0][:, :, keys], kv_block[1][:, :, keys],
-                    scale=scale, **_kernel_args(piece, layout, rank, source),
-                )
-                if touched[rows].any():
-                    merge_into(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
-                else:  # first result for these rows: nothing to merge with
-                    out[:, :, rows] = block_out
-                    lse[:, :, rows] = block_lse
-                    touched[rows] = True
+            if fused is not None:
+                if plan.pieces[source]:  # the plan knows when no query sees any key
+                    fused.forward_into(
+                        q_t, kv_block[0], kv_block[1], out, lse, causal=causal, scale=scale,
+                        q_pos=positions[rank], k_pos=positions[source],
+                    )
+            else:
+                _forward_pieces(kernel, plan.pieces[source], q_t, kv_block, out, lse, touched,
+                                scale, layout, rank, source)
             _finish_step(stats, "forward", step, timer, pending)
             if pending is not None:
                 kv_block, kv_incoming = kv_incoming, kv_block
 
         result = out.to(q.dtype).transpose(1, 2).contiguous()
         ctx.save_for_backward(q, result, lse, kv_block)
-        ctx.ring = (comm, layout, causal, scale, kernel, stats, k.dtype)
+        ctx.ring = (comm, layout, causal, scale, kernel, stats, k.dtype, positions)
         ctx.mark_non_differentiable(lse)
         return result, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, out, lse, kv_block = ctx.saved_tensors
-        comm, layout, causal, scale, kernel, stats, kv_dtype = ctx.ring
+        comm, layout, causal, scale, kernel, stats, kv_dtype, positions = ctx.ring
         rank, world = comm.rank, comm.world_size
         plan = _plan(layout, rank, causal)
         acc = accumulation_dtype(q.dtype)
@@ -176,6 +185,8 @@ class _RingAttention(torch.autograd.Function):
         dkv_done = torch.empty_like(dkv_partial) if world > 1 else None  # previous block's
         dkv_incoming = torch.empty_like(dkv_partial) if world > 1 else None
         kv_spare = [torch.empty_like(kv_block), torch.empty_like(kv_block)] if world > 1 else []
+        fused = kernel if isinstance(kernel, FusedStepBackend) else None
+        delta = softmax_delta(dout_t, out_t) if fused is not None else None  # once per call
 
         for step in range(world):
             block = (rank + 1 + step) % world
@@ -191,17 +202,16 @@ class _RingAttention(torch.autograd.Function):
             pending = comm.exchange(send, recv, reverse=True) if send else None
             timer.start_compute()
             dkv_partial.zero_()
-            for piece in plan.pieces[block]:
-                rows, keys = slice(piece.q_start, piece.q_end), slice(piece.k_start, piece.k_end)
-                dq_piece, dk_piece, dv_piece = kernel.backward(
-                    dout_t[:, :, rows], q_t[:, :, rows],
-                    kv_block[0][:, :, keys], kv_block[1][:, :, keys],
-                    out_t[:, :, rows], lse[:, :, rows],
-                    scale=scale, **_kernel_args(piece, layout, rank, block),
-                )
-                dq[:, :, rows] += dq_piece
-                dkv_partial[0][:, :, keys] += dk_piece
-                dkv_partial[1][:, :, keys] += dv_piece
+            if fused is not None:
+                if plan.pieces[block]:
+                    fused.backward_into(
+                        dout_t, q_t, kv_block[0], kv_block[1], lse, delta,
+                        dq, dkv_partial[0], dkv_partial[1], causal=causal, scale=scale,
+                        q_pos=positions[rank], k_pos=positions[block],
+                    )
+            else:
+                _backward_pieces(kernel, plan.pieces[block], dout_t, q_t, kv_block, out_t, lse,
+                                 dq, dkv_partial, scale, layout, rank, block)
             _finish_step(stats, "backward", step, timer, pending)
             if step > 0:
                 dkv_partial += dkv_incoming
@@ -213,3 +223,43 @@ class _RingAttention(torch.autograd.Function):
         dk = own[0].transpose(1, 2).to(kv_dtype)
         dv = own[1].transpose(1, 2).to(kv_dtype)
         return dq.transpose(1, 2).to(q.dtype), dk, dv, None, None, None, None, None, None
+
+
+def _forward_pieces(
+    kernel: BlockAttentionBackend, pieces: tuple[Piece, ...], q_t: torch.Tensor,
+    kv_block: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, touched: torch.Tensor,
+    scale: float, layout: Layout, rank: int, source: int,
+) -> None:
+    """One forward step through the plain backend interface: a call per planned piece."""
+    for piece in pieces:
+        rows, keys = slice(piece.q_start, piece.q_end), slice(piece.k_start, piece.k_end)
+        block_out, block_lse = kernel.forward(
+            q_t[:, :, rows], kv_block[0][:, :, keys], kv_block[1][:, :, keys],
+            scale=scale, **_kernel_args(piece, layout, rank, source),
+        )
+        if touched[rows].any():
+            merge_into(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+        else:  # first result for these rows: nothing to merge with
+            out[:, :, rows] = block_out
+            lse[:, :, rows] = block_lse
+            touched[rows] = True
+
+
+def _backward_pieces(
+    kernel: BlockAttentionBackend, pieces: tuple[Piece, ...], dout_t: torch.Tensor,
+    q_t: torch.Tensor, kv_block: torch.Tensor, out_t: torch.Tensor, lse: torch.Tensor,
+    dq: torch.Tensor, dkv_partial: torch.Tensor, scale: float, layout: Layout, rank: int,
+    block: int,
+) -> None:
+    """One backward step through the plain backend interface: a call per planned piece."""
+    for piece in pieces:
+        rows, keys = slice(piece.q_start, piece.q_end), slice(piece.k_start, piece.k_end)
+        dq_piece, dk_piece, dv_piece = kernel.backward(
+            dout_t[:, :, rows], q_t[:, :, rows],
+            kv_block[0][:, :, keys], kv_block[1][:, :, keys],
+            out_t[:, :, rows], lse[:, :, rows],
+            scale=scale, **_kernel_args(piece, layout, rank, block),
+        )
+        dq[:, :, rows] += dq_piece
+        dkv_partial[0][:, :, keys] += dk_piece
+        dkv_partial[1][:, :, keys] += dv_piece

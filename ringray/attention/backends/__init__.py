@@ -10,15 +10,22 @@ backend handles grouped-query attention itself. Outputs may come back in a wider
 the inputs; the ring accumulates them in float32 (float64 for float64 inputs).
 
 Backends: ``reference`` (materialised scores, any mask, float64; for tests), ``sdpa``
-(PyTorch's fused flash/efficient kernels, CPU and CUDA). ``triton`` and ``flash_attn`` slot
-in here.
+(PyTorch's fused flash/efficient kernels, CPU and CUDA), ``triton`` (the project's own
+position-aware kernels; CUDA, and CPU under ``TRITON_INTERPRET=1`` for tests). ``auto``
+picks ``triton`` on CUDA when the triton package is importable, else ``sdpa``.
+
+A backend may also offer the optional :class:`FusedStepBackend` capability (``triton``
+does): whole ring-step blocks addressed by global positions, accumulated in place. The ring
+checks for it with ``isinstance`` and otherwise calls ``forward``/``backward`` per planned
+piece and merges with :func:`~ringray.attention.merge.merge_into`.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -50,15 +57,61 @@ class BlockAttentionBackend(Protocol):
         ...
 
 
+@runtime_checkable
+class FusedStepBackend(Protocol):
+    """Optional capability: one call per ring step and direction, on whole blocks.
+
+    Positions are the blocks' global token positions (int32 on the tensors' device); the
+    causal rule ``q_pos >= k_pos`` is applied by the kernel. Accumulators are float32:
+    ``out``/``dq`` ``(B, Hq, Sq, D)``, ``lse``/``delta`` ``(B, Hq, Sq)``, ``dk``/``dv``
+    ``(B, Hkv, Sk, D)``.
+    """
+
+    def forward_into(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        out: torch.Tensor, lse: torch.Tensor, *, causal: bool, scale: float,
+        q_pos: torch.Tensor, k_pos: torch.Tensor,
+    ) -> None:
+        """Merge this block's attention into ``(out, lse)`` (initially 0 / -inf) in place."""
+        ...
+
+    def backward_into(
+        self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        lse: torch.Tensor, delta: torch.Tensor,
+        dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *,
+        causal: bool, scale: float, q_pos: torch.Tensor, k_pos: torch.Tensor,
+    ) -> None:
+        """Add this block's gradients to ``dq, dk, dv``, given the final ``lse`` and
+        ``delta = rowsum(dout * out)`` (:func:`~.common.softmax_delta`)."""
+        ...
+
+
+def _triton_backend() -> BlockAttentionBackend:
+    from ringray.attention.backends.triton import TritonBackend  # needs the triton package
+
+    return TritonBackend()
+
+
 BACKENDS: Mapping[str, Callable[[], BlockAttentionBackend]] = MappingProxyType(
-    {"reference": ReferenceBackend, "sdpa": SdpaBackend}
+    {"reference": ReferenceBackend, "sdpa": SdpaBackend, "triton": _triton_backend}
 )
+
+
+def triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def auto_candidates(device: torch.device) -> tuple[str, ...]:
+    """Backends ``auto`` tries in order: ``triton`` first on CUDA when it is installed."""
+    if device.type == "cuda" and triton_importable():
+        return ("triton", "sdpa", "reference")
+    return ("sdpa", "reference")
 
 
 def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> BlockAttentionBackend:
     """The backend called ``name`` (or the best one for ``auto``), checked for support."""
     if name == "auto":
-        for candidate in ("sdpa", "reference"):
+        for candidate in auto_candidates(device):
             backend = BACKENDS[candidate]()
             if backend.supports(device, dtype):
                 return backend
@@ -66,6 +119,8 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> Bloc
     if name not in BACKENDS:
         valid = ", ".join(["auto", *BACKENDS])
         raise ValueError(f"backend: unknown backend {name!r}; valid: {valid}")
+    if name == "triton" and not triton_importable():
+        raise ValueError("backend: 'triton' needs the triton package (pip install triton)")
     backend = BACKENDS[name]()
     if not backend.supports(device, dtype):
         raise ValueError(f"backend: {name!r} does not support {dtype} on {device.type}")

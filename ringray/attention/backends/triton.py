@@ -1,0 +1,75 @@
+"""The ``triton`` backend: the project's own position-aware kernels for ring steps.
+
+Two ways in:
+
+- the plain :class:`~ringray.attention.backends.BlockAttentionBackend` interface
+  (``forward``/``backward`` of one planned piece), so it drops in wherever ``sdpa`` does;
+- the fused ring-step capability (:class:`~ringray.attention.backends.FusedStepBackend`):
+  ``forward_into`` attends a whole query block to a whole K/V block by their *global
+  positions* and merges into the ring's float32 (out, LSE) accumulators in the same kernel;
+  ``backward_into`` adds the block's dQ/dK/dV to float32 accumulators, given the ring's
+  final LSE and ``delta = rowsum(dO * O)`` computed once per ring call. The ring uses this
+  path whenever a backend offers it: one kernel launch per step and direction instead of
+  one per planned piece plus a merge pass.
+
+Tile classification from positions (skip / full / straddling, see :mod:`.triton_forward`)
+replaces the planner's pieces, so every layout, regular or not, runs without a dense mask.
+
+Runs on CUDA (float16, bfloat16, float32) and, for tests, on CPU in Triton's interpreter
+when ``TRITON_INTERPRET=1`` was set before the kernels were defined.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ringray.attention.backends.common import softmax_delta
+from ringray.attention.backends.triton_backward import block_backward
+from ringray.attention.backends.triton_common import SUPPORTED_DTYPES, kernels_interpreted
+from ringray.attention.backends.triton_forward import block_forward
+from ringray.attention.plan import PieceKind
+
+
+class TritonBackend:
+    name = "triton"
+
+    def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
+        if dtype not in SUPPORTED_DTYPES:
+            return False
+        return device.type == "cuda" or (device.type == "cpu" and kernels_interpreted())
+
+    def forward(self, q, k, v, *, kind, scale, q_pos=None, k_pos=None):
+        causal, q_pos, k_pos = _piece_positions(kind, q, k, q_pos, k_pos)
+        return block_forward(q, k, v, q_pos, k_pos, causal=causal, scale=scale)
+
+    def backward(self, dout, q, k, v, out, lse, *, kind, scale, q_pos=None, k_pos=None):
+        causal, q_pos, k_pos = _piece_positions(kind, q, k, q_pos, k_pos)
+        return block_backward(dout, q, k, v, lse.float().contiguous(), softmax_delta(dout, out),
+                               q_pos, k_pos, causal=causal, scale=scale)
+
+    def forward_into(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        out: torch.Tensor, lse: torch.Tensor, *, causal: bool, scale: float,
+        q_pos: torch.Tensor, k_pos: torch.Tensor,
+    ) -> None:
+        block_forward(q, k, v, q_pos, k_pos, causal=causal, scale=scale, out=out, lse=lse)
+
+    def backward_into(
+        self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        lse: torch.Tensor, delta: torch.Tensor,
+        dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *,
+        causal: bool, scale: float, q_pos: torch.Tensor, k_pos: torch.Tensor,
+    ) -> None:
+        block_backward(dout, q, k, v, lse, delta, q_pos, k_pos, causal=causal, scale=scale,
+                       dq=dq, dk=dk, dv=dv)
+
+
+def _piece_positions(kind: PieceKind, q: torch.Tensor, k: torch.Tensor,
+                     q_pos: torch.Tensor | None, k_pos: torch.Tensor | None):
+    """(causal, q_pos, k_pos) that make the kernel compute one planned piece: a CAUSAL
+    square is top-left aligned (query i sees keys 0..i), a FULL piece needs no positions."""
+    if kind is PieceKind.MASKED:
+        return True, q_pos, k_pos
+    q_idx = torch.arange(q.shape[2], device=q.device)
+    k_idx = torch.arange(k.shape[2], device=q.device)
+    return kind is PieceKind.CAUSAL, q_idx, k_idx
