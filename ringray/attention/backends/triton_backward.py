@@ -54,7 +54,7 @@ def _dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     tile_n = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # batch/head offsets can pass 2**31 elements
     b = bh // kv_heads
     kv_h = bh % kv_heads
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -136,7 +136,7 @@ def _dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     tile_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # batch/head offsets can pass 2**31 elements
     b = bh // q_heads
     h = bh % q_heads
     kv_h = h // group

@@ -52,7 +52,7 @@ def _forward_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     tile_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # batch/head offsets can pass 2**31 elements
     b = bh // q_heads
     h = bh % q_heads
     kv_h = h // group
