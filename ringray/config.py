@@ -2,6 +2,7 @@
 
     spec = load_job_spec("jobs/quickstart.yaml", overrides=["train.steps=20"])
     options = spec.train_options()          # what the trainer runs
+    cluster = spec.cluster_options()        # what the Ray controller needs (ringray train)
 
 Every field carries a description (``ringray`` prints them); unknown fields are errors. Checks
 that involve several fields (the sequence length against the layout and the ring size, heads
@@ -18,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ringray.attention.backends import BACKENDS
 from ringray.attention.layouts import BUILTIN_LAYOUTS, seq_len_divisor
+from ringray.cluster.options import ClusterOptions
 from ringray.model import MODEL_PRESETS, ModelConfig, model_preset
 from ringray.train.options import OptimizerOptions, PasskeyEvalOptions, TrainOptions
 
@@ -148,6 +150,65 @@ class EvalSpec(_Section):
     passkey_samples: int = Field(4, ge=1, description="Samples per (length, depth) cell.")
 
 
+class ClusterSpec(_Section):
+    accelerator: Literal["cpu", "gpu"] = Field(
+        "cpu", description="What each worker owns: one GPU (NCCL rings) or one CPU slot (gloo)."
+    )
+    worker_resources: dict[str, float] | None = Field(
+        None,
+        description="Ray resources of one worker, e.g. {GPU: 1, CPU: 8}; null: {GPU: 1} for "
+        "accelerator gpu, {CPU: 1} for cpu. A custom resource pins workers to the nodes "
+        "that offer it.",
+    )
+    dp_min: int | None = Field(
+        None, ge=1,
+        description="Elastic floor: the job runs at any dp from dp_min to parallel.dp (largest "
+        "that fits the live nodes) instead of waiting; null: parallel.dp (fixed size).",
+    )
+    max_failures: int = Field(
+        3, ge=0, description="Faults recovered before the job fails (preemptions not counted)."
+    )
+    step_timeout_seconds: float = Field(
+        300, gt=0, description="A step (or checkpoint) that takes longer is a hang: recover."
+    )
+    startup_timeout_seconds: float = Field(
+        120, gt=0, description="Time for workers, process groups and trainers to come up."
+    )
+    capacity_wait_seconds: float = Field(
+        600, ge=0,
+        description="How long to wait for room for dp_min rings before the job fails "
+        "(an embedded local Ray does not wait: nothing can join it).",
+    )
+    grow_after_seconds: float = Field(
+        10, ge=0,
+        description="New capacity must stay live this long before the job grows into it "
+        "(at the next checkpoint boundary), so a flickering node never makes it flap.",
+    )
+    failure_domain: str | None = Field(
+        "zone", description="Node label whose values DP replicas are spread over."
+    )
+    request_resources: bool = Field(
+        True, description="Ask the Ray autoscaler for the full size while running smaller."
+    )
+    intra_node_gbps: float | None = Field(
+        None, gt=0, description="Link speed inside a node (Gb/s) for the placement's costs."
+    )
+    inter_node_gbps: float | None = Field(
+        None, gt=0, description="Link speed between nodes (Gb/s) for the placement's costs."
+    )
+
+    @field_validator("worker_resources")
+    @classmethod
+    def _positive_resources(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is not None:
+            if not value:
+                raise ValueError("give at least one resource, e.g. {CPU: 1}")
+            bad = {k: v for k, v in value.items() if v <= 0}
+            if bad:
+                raise ValueError(f"amounts must be positive, got {bad}")
+        return value
+
+
 class JobSpec(_Section):
     name: str = Field("ringray-job", min_length=1, description="Job name.")
     run_dir: str | None = Field(
@@ -161,6 +222,9 @@ class JobSpec(_Section):
         default_factory=CheckpointSpec, description="Where and how often to checkpoint."
     )
     eval: EvalSpec = Field(default_factory=EvalSpec, description="Evaluation after training.")
+    cluster: ClusterSpec = Field(
+        default_factory=ClusterSpec, description="How `ringray train` runs the job on Ray."
+    )
 
     @model_validator(mode="after")
     def _cross_field(self) -> JobSpec:
@@ -193,7 +257,52 @@ class JobSpec(_Section):
                         f"{self.parallel.layout!r} over cp={cp} ranks; use a multiple of "
                         f"{divisor}"
                     )
+        dp_min = self.cluster.dp_min
+        if dp_min is not None and dp is not None:
+            if dp_min > dp:
+                raise ValueError(
+                    f"cluster.dp_min: {dp_min} is larger than parallel.dp={dp} (the size the "
+                    f"job asks for); use a value from 1 to {dp}"
+                )
+            sizes = [d for d in range(dp_min, dp + 1) if self.train.global_batch % d == 0]
+            if sizes != list(range(dp_min, dp + 1)):
+                skipped = sorted(set(range(dp_min, dp + 1)) - set(sizes))
+                raise ValueError(
+                    f"cluster.dp_min: train.global_batch={self.train.global_batch} does not "
+                    f"split over dp={', '.join(map(str, skipped))}; every dp from dp_min to "
+                    f"parallel.dp must divide it"
+                )
         return self
+
+    def cluster_options(self) -> ClusterOptions:
+        """What the Ray controller needs (``ringray train``): the mesh must be explicit."""
+        for field in ("dp", "cp"):
+            if getattr(self.parallel, field) is None:
+                raise JobSpecError(
+                    f"parallel.{field}: required by `ringray train` (there is no world size to "
+                    f"infer it from); give a number"
+                )
+        cluster = self.cluster
+        resources = cluster.worker_resources or (
+            {"GPU": 1.0} if cluster.accelerator == "gpu" else {"CPU": 1.0}
+        )
+        return ClusterOptions(
+            job_name=self.name,
+            cp=self.parallel.cp,
+            dp_max=self.parallel.dp,
+            dp_min=cluster.dp_min or self.parallel.dp,
+            accelerator=cluster.accelerator,
+            worker_resources=dict(resources),
+            max_failures=cluster.max_failures,
+            step_timeout_seconds=cluster.step_timeout_seconds,
+            startup_timeout_seconds=cluster.startup_timeout_seconds,
+            capacity_wait_seconds=cluster.capacity_wait_seconds,
+            grow_after_seconds=cluster.grow_after_seconds,
+            failure_domain=cluster.failure_domain,
+            request_resources=cluster.request_resources,
+            intra_node_gbps=cluster.intra_node_gbps,
+            inter_node_gbps=cluster.inter_node_gbps,
+        )
 
     def train_options(self) -> TrainOptions:
         """The trainer's options for this job."""

@@ -16,3 +16,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+# Ray test clusters (facts found with Ray 2.60): without this, loopback addresses are rewritten
+# and connections hang; and token authentication writes a token file that later clusters
+# reject. Both must be set before Ray is imported.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")

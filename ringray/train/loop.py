@@ -45,14 +45,38 @@ def format_step(stats: StepStats, total_steps: int) -> str:
     )
 
 
-def _truncate_steps_log(path: Path, last_step: int) -> None:
-    if not path.exists():
-        return
-    kept = [
-        line for line in path.read_text().splitlines()
-        if line.strip() and json.loads(line)["step"] <= last_step
-    ]
-    path.write_text("".join(f"{line}\n" for line in kept))
+class StepsLog:
+    """A run's ``steps.jsonl``: one :class:`StepStats` per line, in step order."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    def truncate(self, last_step: int) -> None:
+        """Drop the lines after ``last_step`` (the steps a resumed run does again)."""
+        if not self.path.exists():
+            return
+        kept = [
+            line for line in self.path.read_text().splitlines()
+            if line.strip() and json.loads(line)["step"] <= last_step
+        ]
+        self.path.write_text("".join(f"{line}\n" for line in kept))
+
+    def append(self, stats: StepStats) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(stats.to_dict()) + "\n")
+
+
+def evaluate_passkey_retrieval(trainer: Trainer) -> PasskeyReport | None:
+    """The job's passkey evaluation (collective: every rank calls it), or ``None`` when the
+    options ask for none."""
+    passkey = trainer.options.passkey
+    if not passkey.lengths:
+        return None
+    return evaluate_passkey(
+        trainer.predict_next_tokens, trainer.tokenizer,
+        lengths=passkey.lengths, depths=passkey.depths,
+        samples_per_cell=passkey.samples_per_cell, seed=passkey.seed,
+    )
 
 
 def run_training(
@@ -82,9 +106,9 @@ def run_training(
         trainer.load_checkpoint(store, ref)
         resumed_from = trainer.step_count
         say(f"resumed from {ref.location} (step {resumed_from})")
-    steps_log = run_dir / "steps.jsonl"
+    steps_log = StepsLog(run_dir / "steps.jsonl")
     if is_writer:
-        _truncate_steps_log(steps_log, trainer.step_count)
+        steps_log.truncate(trainer.step_count)
 
     last_stats, checkpoint = None, None
     end = options.steps if stop_after is None else min(stop_after, options.steps)
@@ -92,8 +116,7 @@ def run_training(
     while trainer.step_count < end:
         last_stats = trainer.step()
         if is_writer:
-            with steps_log.open("a") as f:
-                f.write(json.dumps(last_stats.to_dict()) + "\n")
+            steps_log.append(last_stats)
         step = last_stats.step
         if step == 1 or step % options.log_every == 0 or step == end:
             say(format_step(last_stats, options.steps))
@@ -109,11 +132,7 @@ def run_training(
     passkey = None
     if stop_after is None and options.passkey.lengths:
         say(f"passkey retrieval at lengths {list(options.passkey.lengths)} ...")
-        passkey = evaluate_passkey(
-            trainer.predict_next_tokens, trainer.tokenizer,
-            lengths=options.passkey.lengths, depths=options.passkey.depths,
-            samples_per_cell=options.passkey.samples_per_cell, seed=options.passkey.seed,
-        )
+        passkey = evaluate_passkey_retrieval(trainer)
         if is_writer:
             (run_dir / "passkey.json").write_text(json.dumps(passkey.to_dict(), indent=2))
         say(passkey.format_table())

@@ -1,0 +1,113 @@
+"""A real multi-node Ray cluster on this machine for the service tests, and job helpers.
+
+Every node is a real raylet (``ray.cluster_utils.Cluster``); ``remove_node`` kills one for
+real. The GCS health checks run every second with a threshold of 3, so a killed node is
+marked dead in about 3 s (about 15 s with Ray's defaults).
+
+Each test adds its own worker nodes offering a resource named after the test, so its job
+can only land there, and removes them when it ends; the module's cluster is shut down by
+its fixture.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+import ray
+from ray.cluster_utils import Cluster
+from train_cases import tiny_options
+
+from ringray.cluster.controller import JobStatus
+from ringray.cluster.launch import release, start_controller
+from ringray.cluster.options import ClusterOptions
+from ringray.train import TrainOptions
+
+HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
+
+
+class LocalCluster:
+    """A head node without worker slots, plus the worker nodes tests add."""
+
+    def __init__(self) -> None:
+        self.cluster = Cluster(
+            initialize_head=True,
+            head_node_args={"num_cpus": 0, "include_dashboard": False,
+                            "_system_config": HEALTH_CHECKS},
+        )
+        self.nodes: list = []
+        ray.init(address=self.cluster.address, namespace="ringray")
+
+    def add_node(self, tag: str, *, slots: int, labels: dict[str, str] | None = None):
+        """A node with ``slots`` worker slots for jobs whose workers ask for ``tag``."""
+        node = self.cluster.add_node(num_cpus=slots, resources={tag: slots},
+                                     labels=labels or {})
+        self.cluster.wait_for_nodes()
+        self.nodes.append(node)
+        return node
+
+    def remove_node(self, node, *, graceful: bool = False) -> None:
+        """Kill the node's raylet and every process on it."""
+        self.cluster.remove_node(node, allow_graceful=graceful)
+        self.nodes.remove(node)
+
+    def remove_all(self) -> None:
+        for node in list(self.nodes):
+            self.remove_node(node, graceful=True)
+
+    def shutdown(self) -> None:
+        self.remove_all()
+        ray.shutdown()
+        self.cluster.shutdown()
+
+
+def job_options(run_dir: str, **overrides) -> TrainOptions:
+    """The tiny two-layer model, 64-token sequences, a checkpoint every 4 steps."""
+    return tiny_options(run_dir, **{"steps": 12, "cp": 2, "checkpoint_interval": 4,
+                                    "checkpoint_keep": 10, **overrides})
+
+
+def cluster_options(tag: str, name: str, **overrides) -> ClusterOptions:
+    base = ClusterOptions(
+        job_name=name, cp=2, dp_max=1, dp_min=1,
+        worker_resources={"CPU": 1.0, tag: 1.0},
+        step_timeout_seconds=60, startup_timeout_seconds=90, capacity_wait_seconds=30,
+        poll_seconds=0.2, request_resources=False,
+    )
+    return replace(base, **overrides)
+
+
+def start_job(train: TrainOptions, cluster: ClusterOptions):
+    controller, reattached = start_controller(train, cluster)
+    assert not reattached
+    return controller
+
+
+def status_of(controller) -> JobStatus:
+    return ray.get(controller.status.remote())
+
+
+def wait_until(
+    controller, condition: Callable[[JobStatus], bool], *, timeout: float, what: str
+) -> JobStatus:
+    """Poll the job's status until ``condition`` holds; fail (showing the status) if the job
+    ends first or the time runs out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = status_of(controller)
+        if condition(status):
+            return status
+        if status.done or time.monotonic() > deadline:
+            events = "\n".join(f"  [{e.state}] {e.message}" for e in status.events)
+            raise AssertionError(
+                f"waiting for {what}: job {status.state} at step {status.step} "
+                f"(error: {status.error})\n{events}"
+            )
+        time.sleep(0.2)
+
+
+def finish(controller, *, timeout: float = 240) -> JobStatus:
+    status = wait_until(controller, lambda s: s.done, timeout=timeout, what="the job to end")
+    release(controller)
+    return status
