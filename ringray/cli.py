@@ -1,6 +1,9 @@
 """The ``ringray`` command line.
 
+    ringray train jobs/quickstart.yaml                 # an embedded local Ray
+    ringray train jobs/quickstart.yaml --address auto  # the Ray cluster this machine is in
     ringray bench ring --world 4 --seq 16384 --heads 8 --kv-heads 2 --head-dim 64
+    ringray bench kernel --seqs 4096,8192,16384
 
 Errors are one line on stderr and a non-zero exit code, never a traceback.
 """
@@ -8,8 +11,10 @@ Errors are one line on stderr and a non-zero exit code, never a traceback.
 from __future__ import annotations
 
 import json
+import os
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -135,6 +140,88 @@ def bench_train(
     Console().print(table)
 
 
+@bench_app.command("kernel")
+def bench_kernel(
+    seqs: str = typer.Option("4096,8192,16384", "--seqs",
+                             help="Comma-separated total sequence lengths."),
+    batch: int = typer.Option(1, "--batch", min=1, help="Batch size."),
+    heads: int = typer.Option(16, "--heads", min=1, help="Query heads."),
+    kv_heads: int = typer.Option(8, "--kv-heads", min=1, help="Key/value heads (GQA)."),
+    head_dim: int = typer.Option(128, "--head-dim", min=1, help="Head dimension."),
+    dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16 or float16."),
+    blocks: int = typer.Option(4, "--blocks", min=1, help="Blocks of the virtual ring."),
+    iters: int = typer.Option(10, "--iters", min=1, help="Timed repetitions (median)."),
+    warmup: int = typer.Option(3, "--warmup", min=0, help="Untimed repetitions first."),
+    sweep: bool = typer.Option(False, "--sweep", help="Time every candidate tile shape at "
+                               "the first --seqs length (causal) instead."),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
+) -> None:
+    """Triton ring-step kernels vs PyTorch SDPA (flash, cuDNN): TFLOP/s and a virtual ring.
+
+    Needs a CUDA GPU for speed; on CPU it runs the kernels' correctness smoke only.
+
+    Example: ringray bench kernel --seqs 4096,8192,16384 --heads 16 --kv-heads 8
+    """
+    import torch
+
+    try:
+        lengths = tuple(int(n) for n in seqs.split(",") if n.strip())
+    except ValueError:
+        lengths = ()
+    if not lengths or min(lengths) < 1:
+        _fail(f"--seqs: expected comma-separated positive integers, got {seqs!r}")
+    if heads % kv_heads:
+        _fail(f"--kv-heads: {kv_heads} must divide --heads {heads}")
+    if dtype not in ("bfloat16", "float16"):
+        _fail(f"--dtype: {dtype!r} is not one of bfloat16, float16")
+    from ringray.attention import make_layout
+
+    try:
+        for seq in lengths:  # the virtual ring cuts each length into --blocks zigzag blocks
+            make_layout("zigzag", blocks, seq)
+    except ValueError as exc:
+        _fail(f"--seqs/--blocks: {exc}")
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        # Without a GPU the kernels can only run in Triton's interpreter, which must be
+        # chosen before they are defined (that is, before the modules below are imported).
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from ringray.bench import kernel as kb
+
+    out = Console()
+    report: dict[str, list] = {}
+    if not cuda:
+        _err.print("kernel speed needs a CUDA GPU and there is none here: running the "
+                   "correctness smoke only (Triton interpreter vs float64 reference)",
+                   highlight=False)
+    with _err.status("correctness smoke..."):
+        report["smoke"] = kb.run_smoke(torch.device("cuda" if cuda else "cpu"))
+    if cuda:
+        cfg = kb.KernelBenchConfig(seqs=lengths, batch=batch, heads=heads,
+                                   kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                                   ring_blocks=blocks, warmup=warmup, iters=iters)
+        _err.print(f"GPU: {torch.cuda.get_device_name()}; {dtype}, batch {batch}, heads "
+                   f"{heads}/{kv_heads}, head_dim {head_dim}", highlight=False)
+        with _err.status("timing..."):
+            if sweep:
+                report["sweep"] = kb.run_sweep(cfg, lengths[0], causal=True)
+            else:
+                report["speed"] = kb.run_speed(cfg)
+                report["virtual_ring"] = kb.run_virtual_ring(cfg)
+    if as_json:
+        json.dump({name: [asdict(r) for r in rows] for name, rows in report.items()},
+                  sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        tables = {"smoke": kb.smoke_table, "speed": kb.speed_table,
+                  "virtual_ring": kb.virtual_ring_table, "sweep": kb.sweep_table}
+        for name, rows in report.items():
+            out.print(tables[name](rows))
+    if not all(r.passed for r in report["smoke"]):
+        _err.print("[bold red]error:[/] the correctness smoke failed", highlight=False)
+        raise typer.Exit(code=1)
+
+
 def _print_ring_tables(results) -> None:
     from ringray.attention.stats import overlap_ratio
 
@@ -160,6 +247,167 @@ def _print_ring_tables(results) -> None:
                         f"{r.imbalance_theoretical:.3f}", f"{r.work_efficiency:.3f}",
                         f"{r.compute_seconds_max:.3f}", f"{r.single_process_seconds:.3f}")
     out.print(summary)
+
+
+@app.command("train")
+def train(
+    spec_path: str = typer.Argument(
+        ..., metavar="SPEC", help="Job spec (YAML), e.g. jobs/quickstart.yaml."
+    ),
+    address: str | None = typer.Option(
+        None, "--address",
+        help="Ray cluster to run on ('auto', host:port, ray://...); default: $RAY_ADDRESS, "
+        "else an embedded local Ray that ends with the command.",
+    ),
+    steps: int | None = typer.Option(None, "--steps", min=1, help="Override train.steps."),
+    overrides: list[str] = typer.Option(  # noqa: B008 - typer's documented form
+        [], "--set", help="Override a spec field (repeatable), e.g. train.seq_len=8192."
+    ),
+) -> None:
+    """Run a job on Ray: place its rings, train, recover from failures, follow progress.
+
+    Ctrl-C checkpoints at the next step and stops (a second Ctrl-C detaches and leaves a job
+    on a cluster running; `ringray train` with the same spec reattaches).
+
+    Example: ringray train jobs/quickstart.yaml --steps 20 --set train.seq_len=2048
+    """
+    from ringray.config import JobSpecError, load_job_spec
+
+    if steps is not None:
+        overrides = [*overrides, f"train.steps={steps}"]
+    try:
+        spec = load_job_spec(spec_path, overrides)
+        train_options = spec.train_options()
+        cluster_options = spec.cluster_options()
+    except JobSpecError as exc:
+        _fail(str(exc).replace("\n", "; "))
+    train_options = replace(
+        train_options, run_dir=_absolute(train_options.run_dir),
+        checkpoint_path=_absolute(train_options.checkpoint_location),
+    )
+    address = address or os.environ.get("RAY_ADDRESS")
+    world = cluster_options.dp_max * cluster_options.cp
+    _err.print(
+        f"ringray: job {cluster_options.job_name!r}, {train_options.model.num_params() / 1e6:.2f}M"
+        f"-parameter model, dp={cluster_options.dp_max} × cp={cluster_options.cp} "
+        f"({train_options.layout}), seq {train_options.seq_len}, {train_options.steps} steps, "
+        f"on {'Ray at ' + address if address else 'an embedded local Ray'}",
+        highlight=False,
+    )
+    _run_on_ray(train_options, cluster_options, address=address, world=world)
+
+
+def _absolute(location: str) -> str:
+    """A local path made absolute (workers and the controller do not share our cwd)."""
+    return location if "://" in location else str(Path(location).resolve())
+
+
+def _run_on_ray(train_options, cluster_options, *, address: str | None, world: int) -> None:
+    from ringray.cluster.launch import connect, follow, release, start_controller
+
+    if address is None:
+        # An embedded Ray listens on loopback only and ends with this command: Ray 2.60's
+        # token authentication protects nothing there, and its token file outlives the run.
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    with _err.status("starting Ray..."):
+        embedded = connect(address, local_cpus=max(world, os.cpu_count() or 1))
+    if embedded:  # nothing can join an embedded Ray: do not wait for capacity
+        cluster_options = replace(cluster_options, capacity_wait_seconds=0,
+                                  request_resources=False)
+    controller, reattached = start_controller(train_options, cluster_options)
+    if reattached:
+        _err.print(f"reattached to the running job {cluster_options.job_name!r}")
+    view = _TrainView(train_options.steps)
+    final = None
+    with view:
+        while final is None:
+            try:
+                final = follow(controller, on_status=view.update)
+            except KeyboardInterrupt:
+                if view.stopping:
+                    _err.print("detached; the job goes on (ringray train with the same spec "
+                               "reattaches)")
+                    raise typer.Exit(code=130) from None
+                view.stopping = True
+                view.say("stopping: checkpoint at the next step boundary (Ctrl-C again to "
+                         "detach)")
+                controller.stop.remote()
+    release(controller)
+    _report_end(final, train_options.run_dir)
+
+
+class _TrainView:
+    """A progress bar with one live line, and the controller's events printed above it."""
+
+    def __init__(self, total_steps: int) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        self.progress = Progress(
+            TextColumn("[bold]{task.fields[state]:<13}"), BarColumn(bar_width=24),
+            MofNCompleteColumn(), TextColumn("{task.fields[line]}"),
+            console=_err, transient=False,
+        )
+        self.task = self.progress.add_task("train", total=total_steps, state="placing",
+                                           line="")
+        self.events_seen = 0.0
+        self.stopping = False
+
+    def __enter__(self) -> _TrainView:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.stop()
+
+    def say(self, message: str) -> None:
+        self.progress.console.print(message, highlight=False)
+
+    def update(self, status) -> None:
+        for event in status.events:
+            if event.time > self.events_seen:
+                self.events_seen = event.time
+                if not event.message.startswith("state: "):
+                    self.say(f"  {event.message}")
+        self.progress.update(self.task, completed=status.step, state=status.state,
+                             line=format_status_line(status))
+
+
+def format_status_line(status) -> str:
+    """step, loss, tokens/s, overlap, imbalance, world size, restarts: the live line."""
+    stats = status.last_stats
+    world = f"world {status.world_size}/{status.target_dp * status.cp}"
+    restarts = f"restarts {len(status.restarts)}"
+    if stats is None:
+        return f"{world}  {restarts}"
+    return (f"loss {stats.loss:.4f}  {stats.tokens_per_second:,.0f} tok/s  "
+            f"overlap {stats.overlap_ratio:.3f}  imbalance {stats.load_imbalance:.3f}  "
+            f"{world}  {restarts}")
+
+
+def _report_end(status, run_dir: str) -> None:
+    out = Console()
+    if status.restarts:
+        table = Table(title="restarts", title_justify="left")
+        for col in ("reason", "at step", "resumed from", "lost steps", "recovery s", "world"):
+            table.add_column(col, justify="right")
+        for r in status.restarts:
+            table.add_row(
+                r.reason, str(r.failed_at_step), _or_dash(r.resumed_from_step),
+                _or_dash(r.lost_steps),
+                f"{r.recovery_seconds:.1f}" if r.recovery_seconds is not None else "-",
+                f"{r.world_size_before} → {_or_dash(r.world_size_after)}",
+            )
+        out.print(table)
+    if status.state == "failed":
+        _fail(f"job {status.job_name!r} failed at step {status.step}: {status.error}")
+    out.print(f"job {status.job_name!r} {status.state} at step {status.step}/"
+              f"{status.total_steps}; run directory {run_dir} (steps.jsonl, events.jsonl"
+              f"{', passkey.json' if (Path(run_dir) / 'passkey.json').exists() else ''})",
+              highlight=False)
+
+
+def _or_dash(value) -> str:
+    return "-" if value is None else str(value)
 
 
 def main() -> None:
