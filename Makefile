@@ -14,11 +14,10 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-## The main job: the quickstart, context parallel over 4 local gloo ranks (about 2 minutes).
-## It resumes from its last checkpoint; `rm -rf runs/quickstart` starts it over.
+## The main job: the quickstart on an embedded local Ray, a ring of 4 worker actors over gloo
+## (about 2 minutes). It resumes from its last checkpoint; `rm -rf runs/quickstart` starts over.
 run: $(STAMP)
-	$(VENV)/bin/torchrun --standalone --nproc-per-node 4 -m ringray.train \
-		--config jobs/quickstart.yaml
+	$(VENV)/bin/ringray train jobs/quickstart.yaml
 
 ## The measured figures of benchmarks/RESULTS.md (several minutes).
 bench: $(STAMP)

@@ -162,8 +162,9 @@ class ClusterSpec(_Section):
     )
     dp_min: int | None = Field(
         None, ge=1,
-        description="Elastic floor: the job runs at any dp from dp_min to parallel.dp (largest "
-        "that fits the live nodes) instead of waiting; null: parallel.dp (fixed size).",
+        description="Elastic floor: the job runs at the largest dp from dp_min to parallel.dp "
+        "that fits the live nodes and divides train.global_batch, instead of waiting; null: "
+        "parallel.dp (a fixed size).",
     )
     max_failures: int = Field(
         3, ge=0, description="Faults recovered before the job fails (preemptions not counted)."
@@ -264,13 +265,11 @@ class JobSpec(_Section):
                     f"cluster.dp_min: {dp_min} is larger than parallel.dp={dp} (the size the "
                     f"job asks for); use a value from 1 to {dp}"
                 )
-            sizes = [d for d in range(dp_min, dp + 1) if self.train.global_batch % d == 0]
-            if sizes != list(range(dp_min, dp + 1)):
-                skipped = sorted(set(range(dp_min, dp + 1)) - set(sizes))
+            if self.train.global_batch % dp_min:
                 raise ValueError(
                     f"cluster.dp_min: train.global_batch={self.train.global_batch} does not "
-                    f"split over dp={', '.join(map(str, skipped))}; every dp from dp_min to "
-                    f"parallel.dp must divide it"
+                    f"split over dp_min={dp_min} replicas; use a divisor of it (sizes between "
+                    f"dp_min and parallel.dp that do not divide it are skipped)"
                 )
         return self
 

@@ -89,6 +89,23 @@ def test_unknown_field_is_named(data: dict, needle: str) -> None:
         ({"data": {"source": "web"}}, "data.source:"),
         ({"train": {"optimizer": {"lr": 0}}}, "train.optimizer.lr: Input should be greater than 0"),
         ({"parallel": {"dp": 0}}, "parallel.dp: Input should be greater than or equal to 1"),
+        ({"parallel": {"dp": 2}, "cluster": {"dp_min": 3}},
+         "cluster.dp_min: 3 is larger than parallel.dp=2 (the size the job asks for); use a "
+         "value from 1 to 2"),
+        ({"parallel": {"dp": 4}, "train": {"global_batch": 8}, "cluster": {"dp_min": 3}},
+         "cluster.dp_min: train.global_batch=8 does not split over dp_min=3 replicas; use a "
+         "divisor of it"),
+        ({"cluster": {"worker_resources": {"CPU": 0}}},
+         "cluster.worker_resources: amounts must be positive, got {'CPU': 0.0}"),
+        ({"cluster": {"worker_resources": {}}},
+         "cluster.worker_resources: give at least one resource"),
+        ({"cluster": {"accelerator": "tpu"}},
+         "cluster.accelerator: Input should be 'cpu' or 'gpu'"),
+        ({"cluster": {"step_timeout_seconds": 0}},
+         "cluster.step_timeout_seconds: Input should be greater than 0"),
+        ({"cluster": {"max_failures": -1}},
+         "cluster.max_failures: Input should be greater than or equal to 0"),
+        ({"cluster": {"nodes": 3}}, "cluster.nodes: unknown field; valid: accelerator,"),
     ],
 )
 def test_invalid_spec_names_the_field_and_what_is_valid(data: dict, needle: str) -> None:
@@ -248,3 +265,34 @@ def test_job_files_validate() -> None:
         except (JobSpecError, ValueError) as exc:
             failures.append(f"{path.name}: {exc}")
     assert failures == []
+
+
+def test_cluster_options_map_the_cluster_section() -> None:
+    """`ringray train` needs an explicit mesh; the elastic floor defaults to the fixed size;
+    a GPU job's workers ask for one GPU each unless the spec says otherwise."""
+    spec = parse_job_spec({
+        "name": "big", "parallel": {"dp": 4, "cp": 8}, "train": {"global_batch": 8},
+        "cluster": {"accelerator": "gpu", "dp_min": 2, "max_failures": 5,
+                    "step_timeout_seconds": 90, "grow_after_seconds": 30,
+                    "failure_domain": "rack", "inter_node_gbps": 400},
+    })
+    options = spec.cluster_options()
+    assert (options.job_name, options.cp, options.dp_max, options.dp_min) == ("big", 8, 4, 2)
+    assert options.worker_resources == {"GPU": 1.0}
+    assert options.process_group_backend == "nccl"
+    assert (options.max_failures, options.step_timeout_seconds) == (5, 90)
+    assert (options.grow_after_seconds, options.failure_domain) == (30, "rack")
+    assert options.inter_node_gbps == 400 and options.intra_node_gbps is None
+
+    fixed = parse_job_spec({"parallel": {"dp": 2, "cp": 2}}).cluster_options()
+    assert (fixed.dp_min, fixed.dp_max, fixed.worker_resources) == (2, 2, {"CPU": 1.0})
+    custom = parse_job_spec({"parallel": {"cp": 2},
+                             "cluster": {"worker_resources": {"CPU": 2, "big_mem": 1}}})
+    assert custom.cluster_options().worker_resources == {"CPU": 2.0, "big_mem": 1.0}
+
+
+@pytest.mark.parametrize("field", ["dp", "cp"])
+def test_cluster_options_need_an_explicit_mesh(field: str) -> None:
+    spec = parse_job_spec({"parallel": {"dp": 1, "cp": 2, field: None}})
+    with pytest.raises(JobSpecError, match=f"parallel.{field}: required by `ringray train`"):
+        spec.cluster_options()

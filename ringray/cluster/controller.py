@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -171,6 +172,7 @@ class JobController:
         self._workers: list = []
         self._worker_health: tuple[WorkerHealth, ...] = ()
         self._watched_nodes: tuple[str, ...] = ()  # node of each rank while workers exist
+        self._watched_at = 0.0  # when nodes and drains were last checked between steps
         self._step = 0
         self._last_stats: StepStats | None = None
         self._restore: CheckpointRef | None = None  # the checkpoint a (re)start restores
@@ -442,6 +444,13 @@ class JobController:
         if self._step >= self.train.steps:
             return JobState.EVALUATING
         try:
+            if time.monotonic() - self._watched_at >= self.cluster.poll_seconds:
+                # Steps shorter than a poll finish before _await looks: look between them.
+                self._watched_at = time.monotonic()
+                self._check_nodes()
+                self._check_drains()
+                if self._drain is not None:
+                    return JobState.RUNNING
             stats = self._await([w.run_steps.remote(1) for w in self._workers],
                                 timeout=self.cluster.step_timeout_seconds,
                                 what="a step", watch_drains=True)[0][-1]
@@ -624,11 +633,7 @@ class JobController:
         except ActorUnavailableError:
             raise _FailureSeen(self._settle_lost_contact(rank)) from None
         except RayActorError as exc:
-            self._check_nodes()  # a node's death explains its actors' deaths
-            raise _FailureSeen(Failure(
-                kind=FailureKind.ACTOR_DIED,
-                detail=f"rank {rank} died ({_first_line(exc)})",
-            )) from None
+            raise _FailureSeen(self._actor_death(rank, exc)) from None
         except RayTaskError as exc:
             cause = exc.cause if isinstance(exc.cause, BaseException) else None
             if isinstance(cause, ValueError):
@@ -658,6 +663,17 @@ class JobController:
             nodes.setdefault(node, []).append(rank)
         return nodes
 
+    def _actor_death(self, rank: int, exc: RayActorError) -> Failure:
+        """A dead worker, counted under its cause: the GCS may report the actors of a dead
+        node before its node table says so, but it names the node in the actor's death."""
+        self._check_nodes()
+        node = _DEAD_NODE_IN_ACTOR_DEATH.search(str(exc))
+        if node is not None:
+            return Failure(kind=FailureKind.NODE_DIED, nodes=(node.group(1),),
+                           detail=f"node(s) {node.group(1)[:8]} died, taking rank {rank}")
+        return Failure(kind=FailureKind.ACTOR_DIED,
+                       detail=f"rank {rank} died ({_death_reason(exc)})")
+
     def _settle_lost_contact(self, rank: int) -> Failure:
         """Why the connection to ``rank`` dropped. Ray cannot say yet: either the worker's
         process died (its raylet reports that within a moment) or its whole node did (seen
@@ -669,8 +685,7 @@ class JobController:
             try:
                 ray.get(self._workers[rank].health.remote(), timeout=self.cluster.poll_seconds)
             except ActorDiedError as exc:
-                return Failure(kind=FailureKind.ACTOR_DIED,
-                               detail=f"rank {rank} died ({_first_line(exc)})")
+                return self._actor_death(rank, exc)
             except (ActorUnavailableError, GetTimeoutError):
                 continue
             return Failure(kind=FailureKind.WORKER_ERROR,
@@ -695,9 +710,10 @@ class JobController:
         for rank, probe in enumerate(probes):
             try:
                 ray.get(probe, timeout=_PROBE_SECONDS)
-            except RayActorError:
-                raise _FailureSeen(Failure(kind=FailureKind.ACTOR_DIED,
-                                           detail=f"rank {rank} died")) from None
+            except ActorUnavailableError:
+                raise _FailureSeen(self._settle_lost_contact(rank)) from None
+            except RayActorError as exc:
+                raise _FailureSeen(self._actor_death(rank, exc)) from None
             except GetTimeoutError:
                 pass
 
@@ -755,6 +771,17 @@ def _request_resources(bundles: list[dict]) -> None:
     from ray.autoscaler.sdk import request_resources
 
     request_resources(bundles=bundles)
+
+
+# How Ray words an actor's death that its node's death caused (gcs_actor_manager).
+_DEAD_NODE_IN_ACTOR_DEATH = re.compile(r"because its node has died\. Node Id: ([0-9a-f]+)")
+
+
+def _death_reason(exc: RayActorError) -> str:
+    """The line of an actor's death that says why (Ray puts it after the actor's details)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    because = [line for line in lines if "because" in line]
+    return (because or lines or [type(exc).__name__])[0][:200]
 
 
 def _first_line(exc: BaseException) -> str:
