@@ -309,8 +309,12 @@ def _run_on_ray(train_options, cluster_options, *, address: str | None, world: i
         # An embedded Ray listens on loopback only and ends with this command: Ray 2.60's
         # token authentication protects nothing there, and its token file outlives the run.
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    with _err.status("starting Ray..."):
-        embedded = connect(address, local_cpus=max(world, os.cpu_count() or 1))
+    with _err.status("starting Ray..." if address is None else f"connecting to {address}..."):
+        try:
+            embedded = connect(address, local_cpus=max(world, os.cpu_count() or 1))
+        except (ConnectionError, ValueError, RuntimeError) as exc:
+            _fail(f"--address {address}: cannot connect to Ray ({str(exc).splitlines()[0]})"
+                  if address else f"cannot start a local Ray: {exc}")
     if embedded:  # nothing can join an embedded Ray: do not wait for capacity
         cluster_options = replace(cluster_options, capacity_wait_seconds=0,
                                   request_resources=False)

@@ -1,5 +1,6 @@
-"""The Ray service on a real local multi-node cluster: placement, and recovery from a node's
-death, a killed worker and a hung worker.
+"""The Ray service on a real local multi-node cluster: placement; recovery from a node's
+death, a killed worker and a hung worker; shrinking and growing; a preemption notice; a
+controller that outlives its driver.
 
 Each test adds its own nodes (see ``ray_cluster``), runs a real job of the tiny model with a
 real controller and real worker actors over gloo, and removes its nodes at the end.
@@ -7,8 +8,12 @@ real controller and real worker actors over gloo, and removes its nodes at the e
 
 from __future__ import annotations
 
+import json
 import os
+import pickle
 import signal
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,6 +29,8 @@ from ray_cluster import (
     wait_until,
 )
 from train_cases import rank_run_training, weights_from_checkpoint
+
+from ringray.cluster.launch import find_controller, start_controller
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -172,3 +179,103 @@ def test_killed_worker_and_hung_worker_are_recovered(nodes, tmp_path: Path) -> N
     assert "rank(s) 0 do not answer" in hung.detail
     assert status.failures_used == 2
     _assert_same_weights(_final_weights(options), _uninterrupted_weights(options, tmp_path))
+
+
+def test_shrinks_on_node_loss_and_grows_back_once(nodes, tmp_path: Path) -> None:
+    """dp range 1..2, cp=2, on two 2-slot nodes: dp=2. One node is removed and not replaced:
+    the job goes on at dp=1 at once (seconds, not a startup timeout). A node added later is
+    grown into at the next checkpoint boundary after it has been live for
+    grow_after_seconds, exactly once."""
+    tag = "slot_elastic"
+    nodes.add_node(tag, slots=2, labels={"zone": "a"})
+    nodes.add_node(tag, slots=2, labels={"zone": "b"})
+    options = job_options(str(tmp_path / "ray"), steps=400, dp=2)
+    controller = start_job(
+        options, cluster_options(tag, "elastic", dp_max=2, dp_min=1, grow_after_seconds=2)
+    )
+    status = wait_until(controller, lambda s: s.step >= 5, timeout=120, what="step 5")
+    assert status.dp == 2
+    second_ring_node = next(n for n in nodes.nodes if n.node_id == status.plan.rings[1].nodes[0])
+
+    nodes.remove_node(second_ring_node)
+    status = wait_until(
+        controller, lambda s: s.restarts and s.restarts[0].recovery_seconds is not None,
+        timeout=120, what="recovery at dp=1",
+    )
+    (shrink,) = status.restarts
+    assert shrink.reason == "node_died"
+    assert (shrink.world_size_before, shrink.world_size_after) == (4, 2)
+    assert status.dp == 1
+    assert shrink.recovery_seconds < 30
+
+    nodes.add_node(tag, slots=2, labels={"zone": "c"})
+    status = wait_until(controller, lambda s: s.dp == 2 and s.step > status.step + 8,
+                        timeout=120, what="growing back to dp=2")
+    grown_at = status.step
+    status = finish(controller)
+    assert status.state == "finished", status.error
+    assert status.resizes == 1 and len(status.restarts) == 1
+    assert status.dp == 2 and grown_at < options.steps
+    logged = [json.loads(line)["step"]
+              for line in (tmp_path / "ray" / "steps.jsonl").read_text().splitlines()]
+    assert logged == list(range(1, options.steps + 1))
+
+
+def test_preemption_notice_checkpoints_then_moves(nodes, tmp_path: Path) -> None:
+    """The node running the ring gets a drain notice with a 60 s deadline: the controller
+    finishes the running step, checkpoints it (so nothing is lost), and restarts the ring on
+    the other node before the drained node goes. A preemption does not use up max_failures."""
+    tag = "slot_drain"
+    nodes.add_node(tag, slots=2)
+    nodes.add_node(tag, slots=2)
+    options = job_options(str(tmp_path / "ray"), steps=200)
+    controller = start_job(options, cluster_options(tag, "drain", max_failures=0))
+    status = wait_until(controller, lambda s: s.step >= 5, timeout=120, what="step 5")
+    (doomed_id,) = status.plan.rings[0].nodes
+    doomed = next(n for n in nodes.nodes if n.node_id == doomed_id)
+
+    nodes.drain_node(doomed, deadline_seconds=60)
+    status = wait_until(
+        controller, lambda s: s.restarts and s.restarts[0].recovery_seconds is not None,
+        timeout=120, what="the move off the draining node",
+    )
+    nodes.remove_node(doomed)  # the preemption itself
+    status = finish(controller)
+
+    assert status.state == "finished", status.error
+    (moved,) = status.restarts
+    assert moved.reason == "preempted"
+    assert moved.lost_steps == 0 and moved.resumed_from_step == moved.failed_at_step
+    assert status.failures_used == 0
+    assert doomed_id not in {w.node_id for w in status.workers}
+
+
+def test_controller_outlives_its_driver(nodes, local_cluster, tmp_path: Path) -> None:
+    """A driver process starts a job and exits; the detached controller, named after the
+    job, goes on, and another driver (this test) reattaches to it by the job's name instead
+    of starting a second one, and follows it to the end."""
+    tag = "slot_detach"
+    nodes.add_node(tag, slots=2)
+    options = job_options(str(tmp_path / "ray"), steps=30)
+    cluster = cluster_options(tag, "detached")
+    script = tmp_path / "driver.py"
+    script.write_text(
+        "import pickle, sys, ray\n"
+        "from ringray.cluster.launch import start_controller\n"
+        "train, cluster = pickle.loads(sys.stdin.buffer.read())\n"
+        f"ray.init(address={local_cluster.cluster.address!r}, namespace='ringray')\n"
+        "start_controller(train, cluster)\n"
+        "print('started', flush=True)\n"
+    )
+    driver = subprocess.run(
+        [sys.executable, str(script)], input=pickle.dumps((options, cluster)),
+        capture_output=True, timeout=120, env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
+    assert driver.returncode == 0, driver.stderr.decode()[-2000:]
+
+    assert find_controller("detached") is not None
+    controller, reattached = start_controller(options, cluster)  # what `ringray train` does
+    assert reattached
+    status = finish(controller)
+    assert status.state == "finished", status.error
+    assert status.step == options.steps

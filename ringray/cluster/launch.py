@@ -40,7 +40,8 @@ def connect(address: str | None, *, local_cpus: int) -> bool:
         return False
     common = {"namespace": NAMESPACE, "logging_level": logging.WARNING, "log_to_driver": False}
     if address is None:
-        ray.init(num_cpus=local_cpus, include_dashboard=False, **common)
+        # "local": always a new Ray of our own, even when another one runs on this machine.
+        ray.init(address="local", num_cpus=local_cpus, include_dashboard=False, **common)
         return True
     ray.init(address=address, **common)
     return False

@@ -1,0 +1,78 @@
+"""`ringray train SPEC` end to end on an embedded local Ray (the README's main job, shortened):
+it trains, writes the run directory, resumes, and reports bad specs and impossible jobs in
+one line with a non-zero exit code, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+
+ROOT = Path(__file__).resolve().parent.parent
+RINGRAY = str(Path(sys.executable).parent / "ringray")
+
+
+def _train(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([RINGRAY, "train", "jobs/quickstart.yaml", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _short_job(run_dir: Path) -> list[str]:
+    return ["--steps", "4", "--set", "name=cli-test", "--set", f"run_dir={run_dir}",
+            "--set", "train.seq_len=512", "--set", "parallel.cp=2",
+            "--set", "checkpoint.interval=2", "--set", "eval.passkey_lengths=[512]",
+            "--set", "eval.passkey_samples=1"]
+
+
+def test_train_runs_a_job_to_the_end_and_resumes_it(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    first = _train(*_short_job(run_dir))
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "on an embedded local Ray" in first.stderr
+    assert "job 'cli-test' finished at step 4/4" in first.stdout
+    steps = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2, 3, 4]
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    states = [e["message"].removeprefix("state: ") for e in events
+              if e["message"].startswith("state: ")]
+    assert states[0] == "starting" and states[-2:] == ["evaluating", "finished"]
+    assert (run_dir / "passkey.json").exists()
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        "step_00000002", "step_00000004"]
+
+    again = _train(*_short_job(run_dir), "--steps", "6")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "restored" in again.stderr and "at step 4" in again.stderr
+    assert "finished at step 6/6" in again.stdout
+    steps = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["--set", "parallel.cp=null"], "parallel.cp: required by `ringray train`"),
+        (["--set", "cluster.dp_min=2"], "cluster.dp_min: 2 is larger than parallel.dp=1"),
+        (["--set", "cluster.nodes=2"], "cluster.nodes: unknown field; valid: accelerator"),
+    ],
+)
+def test_a_bad_spec_is_one_line(overrides: list[str], message: str) -> None:
+    result = _train(*overrides, timeout=60)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_a_job_that_cannot_be_placed_fails_with_the_reason(tmp_path: Path) -> None:
+    """Workers that each want a GPU, on an embedded Ray of this CPU-only machine: the job
+    fails at once (nothing can join an embedded Ray), saying what is missing."""
+    result = _train(*_short_job(tmp_path / "run"), "--set", "cluster.accelerator=gpu")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "job 'cli-test' failed at step 0: placement:" in result.stderr
+    assert "worker slots" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
