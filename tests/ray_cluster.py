@@ -19,9 +19,9 @@ import ray
 from ray.cluster_utils import Cluster
 from train_cases import tiny_options
 
-from ringray.cluster.controller import JobStatus
 from ringray.cluster.launch import release, start_controller
 from ringray.cluster.options import ClusterOptions
+from ringray.cluster.status import JobStatus
 from ringray.train import TrainOptions
 
 HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
@@ -51,6 +51,19 @@ class LocalCluster:
         """Kill the node's raylet and every process on it."""
         self.cluster.remove_node(node, allow_graceful=graceful)
         self.nodes.remove(node)
+
+    def drain_node(self, node, *, deadline_seconds: float) -> None:
+        """A preemption notice: the GCS marks the node draining, to be gone in
+        ``deadline_seconds`` (what a cloud's spot interruption turns into; Ray's own
+        ``ray drain-node`` makes the same call)."""
+        from ray.core.generated import autoscaler_pb2
+
+        gcs = ray._raylet.GcsClient(address=self.cluster.address)
+        accepted, why = gcs.drain_node(
+            node.node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+            "test: spot preemption", int((time.time() + deadline_seconds) * 1000),
+        )
+        assert accepted, why
 
     def remove_all(self) -> None:
         for node in list(self.nodes):

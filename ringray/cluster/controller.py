@@ -27,31 +27,17 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from enum import Enum
+from dataclasses import replace
 from pathlib import Path
 
 import ray
-from ray.exceptions import (
-    ActorDiedError,
-    ActorUnavailableError,
-    GetTimeoutError,
-    RayActorError,
-    RayTaskError,
-)
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ringray.cluster.nodes import (
-    NODE_ID_LABEL,
-    draining_nodes,
-    node_liveness,
-    schedulable_nodes,
-)
+from ringray.cluster.nodes import NODE_ID_LABEL, schedulable_nodes
 from ringray.cluster.options import ClusterOptions
 from ringray.cluster.placement import (
     LinkBandwidths,
@@ -65,92 +51,23 @@ from ringray.cluster.policy import (
     Failure,
     FailureKind,
     GiveUp,
+    MoveNow,
     dp_options,
     grow_to,
     on_drain,
     on_failure,
     track_larger_capacity,
 )
+from ringray.cluster.status import TERMINAL_STATES, Event, JobState, JobStatus, Restart
+from ringray.cluster.watch import CallTimeout, FailureSeen, JobError, RingWatch, short_nodes
 from ringray.cluster.worker import TrainWorker, WorkerHealth
 from ringray.train import CheckpointRef, StepStats, TrainOptions
 from ringray.train.loop import StepsLog
 
-# How long a probed worker may take to answer before a hang report calls it unresponsive.
-_PROBE_SECONDS = 2.0
 _EVENTS_KEPT = 100
 # The ranks' collectives time out well after the controller's step timeout, so a hang is
 # seen (and reported) by the controller, not as a survivor's collective error.
 _COLLECTIVE_TIMEOUT_FACTOR = 2
-
-
-class JobState(str, Enum):
-    PLACING = "placing"
-    STARTING = "starting"
-    RUNNING = "running"
-    CHECKPOINTING = "checkpointing"
-    EVALUATING = "evaluating"
-    RECOVERING = "recovering"
-    RESIZING = "resizing"
-    FINISHED = "finished"
-    FAILED = "failed"
-    STOPPED = "stopped"
-
-
-TERMINAL_STATES = frozenset({JobState.FINISHED, JobState.FAILED, JobState.STOPPED})
-
-
-@dataclass(frozen=True, kw_only=True)
-class Event:
-    time: float  # wall-clock seconds
-    state: str
-    message: str
-
-
-@dataclass(frozen=True, kw_only=True)
-class Restart:
-    """One recovery: what happened and what it cost."""
-
-    reason: str  # a FailureKind value
-    detail: str
-    detected_at: float  # wall-clock seconds
-    failed_at_step: int  # steps completed when the failure was seen
-    resumed_from_step: int | None = None  # the checkpoint restored (None: none yet)
-    lost_steps: int | None = None  # steps done again: failed_at_step - resumed_from_step
-    recovery_seconds: float | None = None  # detection → first completed step afterwards
-    world_size_before: int = 0
-    world_size_after: int | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
-class JobStatus:
-    job_name: str
-    state: str
-    step: int
-    total_steps: int
-    dp: int  # data-parallel degree of the current (or last) placement; 0 before the first
-    target_dp: int
-    cp: int
-    restarts: tuple[Restart, ...]
-    failures_used: int  # restarts that count against max_failures
-    resizes: int  # grows at a checkpoint boundary
-    last_stats: StepStats | None
-    last_checkpoint_step: int | None
-    workers: tuple[WorkerHealth, ...]  # where each rank runs, as probed at start
-    plan: PlacementPlan | None  # the current (or last) placement
-    error: str | None
-    events: tuple[Event, ...]
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.cp
-
-    @property
-    def done(self) -> bool:
-        return JobState(self.state) in TERMINAL_STATES
-
-
-class _Timeout(Exception):
-    """An awaited call did not finish in time (a hang, or a startup that never completes)."""
 
 
 class JobController:
@@ -170,8 +87,9 @@ class JobController:
         self._plan: PlacementPlan | None = None
         self._pg = None
         self._workers: list = []
+        self._watch = RingWatch(poll_seconds=cluster.poll_seconds,
+                                settle_seconds=cluster.startup_timeout_seconds, log=self._log)
         self._worker_health: tuple[WorkerHealth, ...] = ()
-        self._watched_nodes: tuple[str, ...] = ()  # node of each rank while workers exist
         self._watched_at = 0.0  # when nodes and drains were last checked between steps
         self._step = 0
         self._last_stats: StepStats | None = None
@@ -184,7 +102,6 @@ class JobController:
         self._resizes = 0
         self._pending_failure: Failure | None = None
         self._after_checkpoint: JobState | None = None
-        self._drain: tuple[tuple[str, ...], float | None] | None = None
         self._avoid: set[str] = set()
         self._capacity_wait_since: float | None = None
         self._larger_since: float | None = None
@@ -336,15 +253,15 @@ class JobController:
         assert plan is not None
         try:
             self._create_workers(plan)
-            healths = self._await([w.health.remote() for w in self._workers],
+            healths = self._watch.wait([w.health.remote() for w in self._workers],
                                   timeout=self.cluster.startup_timeout_seconds)
             verify_placement(plan, [h.node_id for h in healths])
-            self._watched_nodes = tuple(h.node_id for h in healths)
+            self._watch.track(self._workers, tuple(h.node_id for h in healths))
             with self._lock:
                 self._worker_health = tuple(healths)
-            host, port = self._await([self._workers[0].rendezvous_address.remote()],
+            host, port = self._watch.wait([self._workers[0].rendezvous_address.remote()],
                                      timeout=self.cluster.startup_timeout_seconds)[0]
-            self._await(
+            self._watch.wait(
                 [w.join.remote(host=host, port=port,
                                backend=self.cluster.process_group_backend,
                                timeout_seconds=_COLLECTIVE_TIMEOUT_FACTOR
@@ -354,13 +271,13 @@ class JobController:
             )
             restore = self._restore_point()
             options = replace(self.train, dp=plan.dp, cp=plan.cp)
-            steps = self._await([w.build.remote(options, restore) for w in self._workers],
+            steps = self._watch.wait([w.build.remote(options, restore) for w in self._workers],
                                 timeout=self.cluster.startup_timeout_seconds)
-        except _FailureSeen as seen:
+        except FailureSeen as seen:
             return self._fail_over(seen.failure)
-        except _Timeout as exc:
+        except CallTimeout as exc:
             return self._fail_over(Failure(kind=FailureKind.STARTUP, detail=str(exc)))
-        except _Fatal as exc:
+        except JobError as exc:
             self._error = str(exc)
             return JobState.FAILED
         except PlacementError as exc:
@@ -382,12 +299,13 @@ class JobController:
         return JobState.RUNNING
 
     def _create_workers(self, plan: PlacementPlan) -> None:
-        self._watched_nodes = tuple(rank.node_id for rank in plan.ranks)
+        # From the moment their placement group is asked for, the planned nodes are watched.
+        self._watch.track([], tuple(rank.node_id for rank in plan.ranks))
         bundles = [dict(self.cluster.worker_resources) for _ in plan.ranks]
         selectors = [{NODE_ID_LABEL: rank.node_id} for rank in plan.ranks]
         self._pg = placement_group(bundles, strategy="PACK", bundle_label_selector=selectors,
                                    name=f"ringray-{self.cluster.job_name}")
-        self._await([self._pg.ready()], timeout=self.cluster.startup_timeout_seconds,
+        self._watch.wait([self._pg.ready()], timeout=self.cluster.startup_timeout_seconds,
                     what="the placement group to be reserved")
         actor = ray.remote(TrainWorker)
         resources = self.cluster.actor_resources()
@@ -403,11 +321,12 @@ class JobController:
             ).remote(rank=rank.rank, world_size=plan.world_size)
             for rank in plan.ranks
         ]
+        self._watch.track(self._workers, self._watch.nodes)
 
     def _restore_point(self) -> CheckpointRef | None:
         """The newest complete checkpoint this job may restore: at the first start, the
         newest there is when ``train.resume`` allows it; after that, one this job wrote."""
-        latest = self._await(
+        latest = self._watch.wait(
             [self._workers[0].latest_checkpoint.remote(self.train.checkpoint_location)],
             timeout=self.cluster.startup_timeout_seconds,
         )[0]
@@ -420,16 +339,12 @@ class JobController:
 
     # ----------------------------------------------------------------- running
     def _run(self) -> JobState:
-        if self._drain is not None:
-            nodes, seconds_left = self._drain
-            decision = on_drain(
-                seconds_left=seconds_left,
-                step_seconds=self._last_stats.step_seconds if self._last_stats else None,
-                checkpoint_seconds=self._checkpoint_seconds,
-            )
+        if self._watch.drain is not None:
+            nodes, seconds_left = self._watch.drain
+            decision = self._drain_decision(seconds_left)
             failure = Failure(kind=FailureKind.PREEMPTED, nodes=nodes,
-                              detail=f"node(s) {_short(nodes)} draining")
-            self._drain = None
+                              detail=f"node(s) {short_nodes(nodes)} draining")
+            self._watch.drain = None
             if isinstance(decision, CheckpointFirst):
                 self._log(f"{failure.detail}: checkpointing before moving")
                 self._pending_failure = failure
@@ -447,18 +362,18 @@ class JobController:
             if time.monotonic() - self._watched_at >= self.cluster.poll_seconds:
                 # Steps shorter than a poll finish before _await looks: look between them.
                 self._watched_at = time.monotonic()
-                self._check_nodes()
-                self._check_drains()
-                if self._drain is not None:
+                self._watch.check_nodes()
+                self._watch.check_drains(self._drain_decision)
+                if self._watch.drain is not None:
                     return JobState.RUNNING
-            stats = self._await([w.run_steps.remote(1) for w in self._workers],
+            stats = self._watch.wait([w.run_steps.remote(1) for w in self._workers],
                                 timeout=self.cluster.step_timeout_seconds,
-                                what="a step", watch_drains=True)[0][-1]
-        except _FailureSeen as seen:
+                                what="a step", drains=self._drain_decision)[0][-1]
+        except FailureSeen as seen:
             return self._fail_over(seen.failure)
-        except _Timeout as exc:
+        except CallTimeout as exc:
             return self._fail_over(Failure(kind=FailureKind.HANG,
-                                           detail=f"{exc}; {self._probe()}"))
+                                           detail=f"{exc}; {self._watch.describe_silence()}"))
         self._record_step(stats)
         interval = self.train.checkpoint_interval
         if (interval and stats.step % interval == 0) or stats.step >= self.train.steps:
@@ -497,14 +412,14 @@ class JobController:
     def _checkpoint(self) -> JobState:
         started = time.monotonic()
         try:
-            ref = self._await([w.checkpoint.remote() for w in self._workers],
+            ref = self._watch.wait([w.checkpoint.remote() for w in self._workers],
                               timeout=self.cluster.step_timeout_seconds,
                               what="a checkpoint")[0]
-        except _FailureSeen as seen:
+        except FailureSeen as seen:
             return self._fail_over(seen.failure)
-        except _Timeout as exc:
+        except CallTimeout as exc:
             return self._fail_over(Failure(kind=FailureKind.HANG,
-                                           detail=f"{exc}; {self._probe()}"))
+                                           detail=f"{exc}; {self._watch.describe_silence()}"))
         with self._lock:
             self._checkpoint_seconds = time.monotonic() - started
             self._saved_steps.add(ref.step)
@@ -534,14 +449,14 @@ class JobController:
             cells = len(passkey.lengths) * len(passkey.depths) * passkey.samples_per_cell
             self._log(f"passkey retrieval at lengths {list(passkey.lengths)}")
             try:
-                report = self._await(
+                report = self._watch.wait(
                     [w.evaluate_passkey.remote() for w in self._workers],
                     timeout=self.cluster.step_timeout_seconds * max(1, math.ceil(cells / 8)),
                     what="the passkey evaluation",
                 )[0]
-            except _FailureSeen as seen:
+            except FailureSeen as seen:
                 return self._fail_over(seen.failure)
-            except _Timeout as exc:
+            except CallTimeout as exc:
                 return self._fail_over(Failure(kind=FailureKind.HANG, detail=str(exc)))
             (self.run_dir / "passkey.json").write_text(json.dumps(report.to_dict(), indent=2))
             self._log("passkey: " + " ".join(report.format_table().splitlines()[-1:]))
@@ -592,206 +507,19 @@ class JobController:
                 remove_placement_group(self._pg)
             except Exception:  # already removed, or its node is gone
                 pass
-        self._watched_nodes = ()
+        self._watch.forget()
         with self._lock:  # _worker_health stays: the status shows where the job last ran
             self._workers, self._pg = [], None
 
-    # ----------------------------------------------------------------- watching
-    def _await(self, refs: list, *, timeout: float, what: str = "workers to start",
-               watch_drains: bool = False) -> list:
-        """The results of ``refs`` (in order), watching the job's workers while waiting.
-
-        Raises:
-            _FailureSeen: a worker died, its node died, or a call raised; with
-                ``watch_drains``, a drain whose deadline leaves no time for a checkpoint.
-            _Fatal: a call raised ``ValueError`` (the job's options are wrong: retrying
-                cannot help).
-            _Timeout: not all results within ``timeout`` seconds.
-        """
-        deadline = time.monotonic() + timeout
-        rank_of = {ref: i for i, ref in enumerate(refs)}
-        results: dict = {}
-        while True:
-            ready, pending = ray.wait(refs, num_returns=len(refs),
-                                      timeout=self.cluster.poll_seconds)
-            for ref in ready:
-                if ref not in results:
-                    results[ref] = self._result(ref, rank_of[ref])
-            if not pending:
-                return [results[ref] for ref in refs]
-            self._check_nodes()
-            if watch_drains:
-                self._check_drains()
-            if time.monotonic() > deadline:
-                late = [rank_of[ref] for ref in pending]
-                raise _Timeout(f"no answer from rank(s) {_ranks(late)} within {timeout:.0f} s "
-                               f"while waiting for {what}")
-
-    def _result(self, ref, rank: int):
-        try:
-            return ray.get(ref)
-        except ActorUnavailableError:
-            raise _FailureSeen(self._settle_lost_contact(rank)) from None
-        except RayActorError as exc:
-            raise _FailureSeen(self._actor_death(rank, exc)) from None
-        except RayTaskError as exc:
-            cause = exc.cause if isinstance(exc.cause, BaseException) else None
-            if isinstance(cause, ValueError):
-                raise _Fatal(f"rank {rank}: {cause}") from None
-            # A collective broken by a dead peer also lands here: if a worker or node died,
-            # report that instead (it is the cause).
-            time.sleep(self.cluster.poll_seconds)
-            self._check_nodes()
-            self._check_workers_alive()
-            silent = self._silent_ranks()
-            if silent:  # a peer stopped inside a step: the collective timed out waiting on it
-                raise _FailureSeen(Failure(
-                    kind=FailureKind.HANG,
-                    detail=f"rank {rank}: {_first_line(cause or exc)}; rank(s) "
-                    f"{_ranks(silent)} do not answer a health probe",
-                )) from None
-            raise _FailureSeen(Failure(
-                kind=FailureKind.WORKER_ERROR,
-                detail=f"rank {rank}: {_first_line(cause or exc)}",
-            )) from None
-
-    def _worker_nodes(self) -> dict[str, list[int]]:
-        """The nodes holding this job's ranks: planned ones from the moment their placement
-        group is asked for, probed ones once the workers answer; none after a teardown."""
-        nodes: dict[str, list[int]] = {}
-        for rank, node in enumerate(self._watched_nodes):
-            nodes.setdefault(node, []).append(rank)
-        return nodes
-
-    def _actor_death(self, rank: int, exc: RayActorError) -> Failure:
-        """A dead worker, counted under its cause: the GCS may report the actors of a dead
-        node before its node table says so, but it names the node in the actor's death."""
-        self._check_nodes()
-        node = _DEAD_NODE_IN_ACTOR_DEATH.search(str(exc))
-        if node is not None:
-            return Failure(kind=FailureKind.NODE_DIED, nodes=(node.group(1),),
-                           detail=f"node(s) {node.group(1)[:8]} died, taking rank {rank}")
-        return Failure(kind=FailureKind.ACTOR_DIED,
-                       detail=f"rank {rank} died ({_death_reason(exc)})")
-
-    def _settle_lost_contact(self, rank: int) -> Failure:
-        """Why the connection to ``rank`` dropped. Ray cannot say yet: either the worker's
-        process died (its raylet reports that within a moment) or its whole node did (seen
-        once the GCS health checks give up on it). Wait until one of them is known, so the
-        next placement leaves a dead node out and the restart is counted under its cause."""
-        deadline = time.monotonic() + self.cluster.startup_timeout_seconds
-        while time.monotonic() < deadline:
-            self._check_nodes()  # raises for a dead node
-            try:
-                ray.get(self._workers[rank].health.remote(), timeout=self.cluster.poll_seconds)
-            except ActorDiedError as exc:
-                return self._actor_death(rank, exc)
-            except (ActorUnavailableError, GetTimeoutError):
-                continue
-            return Failure(kind=FailureKind.WORKER_ERROR,
-                           detail=f"rank {rank}: a call was lost (the worker still answers)")
-        return Failure(kind=FailureKind.ACTOR_DIED,
-                       detail=f"rank {rank} unreachable for "
-                       f"{self.cluster.startup_timeout_seconds:.0f} s")
-
-    def _check_nodes(self) -> None:
-        alive = node_liveness()
-        dead = {node: ranks for node, ranks in self._worker_nodes().items()
-                if not alive.get(node, False)}
-        if dead:
-            ranks = sorted(r for rs in dead.values() for r in rs)
-            raise _FailureSeen(Failure(
-                kind=FailureKind.NODE_DIED, nodes=tuple(sorted(dead)),
-                detail=f"node(s) {_short(dead)} died, taking rank(s) {_ranks(ranks)}",
-            ))
-
-    def _check_workers_alive(self) -> None:
-        probes = [w.health.remote() for w in self._workers]
-        for rank, probe in enumerate(probes):
-            try:
-                ray.get(probe, timeout=_PROBE_SECONDS)
-            except ActorUnavailableError:
-                raise _FailureSeen(self._settle_lost_contact(rank)) from None
-            except RayActorError as exc:
-                raise _FailureSeen(self._actor_death(rank, exc)) from None
-            except GetTimeoutError:
-                pass
-
-    def _check_drains(self) -> None:
-        ours = self._worker_nodes()
-        draining = {node: left for node, left in draining_nodes().items() if node in ours}
-        if not draining or self._drain is not None:
-            return
-        lefts = [left for left in draining.values() if left is not None]
-        seconds_left = min(lefts) if lefts else None
-        self._drain = (tuple(sorted(draining)), seconds_left)
-        self._log(f"node(s) {_short(draining)} draining"
-                  + (f", {seconds_left:.0f} s to the deadline" if seconds_left else ""))
-        decision = on_drain(
+    def _drain_decision(self, seconds_left: float | None) -> CheckpointFirst | MoveNow:
+        return on_drain(
             seconds_left=seconds_left,
             step_seconds=self._last_stats.step_seconds if self._last_stats else None,
             checkpoint_seconds=self._checkpoint_seconds,
         )
-        if not isinstance(decision, CheckpointFirst):
-            self._drain = None
-            raise _FailureSeen(Failure(kind=FailureKind.PREEMPTED, nodes=tuple(sorted(draining)),
-                                       detail=f"node(s) {_short(draining)} draining; "
-                                       f"{decision.why}"))
-
-    def _silent_ranks(self) -> list[int]:
-        """Ranks that do not answer a health probe within a couple of seconds."""
-        probes = [w.health.remote() for w in self._workers]
-        silent = []
-        for rank, probe in enumerate(probes):
-            try:
-                ray.get(probe, timeout=_PROBE_SECONDS)
-            except Exception:
-                silent.append(rank)
-        return silent
-
-    def _probe(self) -> str:
-        """Which ranks still answer a health probe (for a hang's report)."""
-        silent = self._silent_ranks()
-        if not silent:
-            return "every rank answers its health probe (stuck in a collective?)"
-        return f"rank(s) {_ranks(silent)} do not answer a health probe"
-
-
-class _FailureSeen(Exception):
-    def __init__(self, failure: Failure) -> None:
-        super().__init__(failure.detail)
-        self.failure = failure
-
-
-class _Fatal(Exception):
-    """A failure that a restart cannot fix (the job's own options are wrong)."""
 
 
 def _request_resources(bundles: list[dict]) -> None:
     from ray.autoscaler.sdk import request_resources
 
     request_resources(bundles=bundles)
-
-
-# How Ray words an actor's death that its node's death caused (gcs_actor_manager).
-_DEAD_NODE_IN_ACTOR_DEATH = re.compile(r"because its node has died\. Node Id: ([0-9a-f]+)")
-
-
-def _death_reason(exc: RayActorError) -> str:
-    """The line of an actor's death that says why (Ray puts it after the actor's details)."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    because = [line for line in lines if "because" in line]
-    return (because or lines or [type(exc).__name__])[0][:200]
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
-
-
-def _short(nodes) -> str:
-    return ", ".join(node[:8] for node in sorted(nodes))
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ", ".join(str(r) for r in ranks)

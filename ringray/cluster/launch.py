@@ -19,8 +19,9 @@ from collections.abc import Callable
 
 import ray
 
-from ringray.cluster.controller import JobController, JobStatus
+from ringray.cluster.controller import JobController
 from ringray.cluster.options import ClusterOptions
+from ringray.cluster.status import JobStatus
 from ringray.train import TrainOptions
 
 NAMESPACE = "ringray"

@@ -1,0 +1,250 @@
+"""Waiting on a job's workers, and turning whatever goes wrong into a :class:`Failure`.
+
+    watch = RingWatch(poll_seconds=0.5, settle_seconds=120, log=print)
+    watch.track(workers, nodes)                     # once the workers exist
+    results = watch.wait([w.run_steps.remote(1) for w in workers], timeout=300,
+                         what="a step", drains=decide)    # or raises FailureSeen / CallTimeout
+
+While a call is pending it polls the nodes that hold the workers (dead → ``node_died``) and,
+when asked, whether they are draining. A failed call is classified by its cause: a worker
+process that died, a node that died (the GCS may report the node's actors before its node
+table says so, but it names the node in the actors' deaths), a dropped connection whose cause
+is not known yet (waited for), a collective that timed out because a peer stopped (a hang),
+or any other error in a step.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+
+import ray
+from ray.exceptions import (
+    ActorDiedError,
+    ActorUnavailableError,
+    GetTimeoutError,
+    RayActorError,
+    RayTaskError,
+)
+
+from ringray.cluster.nodes import draining_nodes, node_liveness
+from ringray.cluster.policy import CheckpointFirst, Failure, FailureKind, MoveNow
+
+# How long a probed worker may take to answer before it counts as silent.
+PROBE_SECONDS = 2.0
+# How Ray words an actor's death that its node's death caused (gcs_actor_manager).
+_DEAD_NODE_IN_ACTOR_DEATH = re.compile(r"because its node has died\. Node Id: ([0-9a-f]+)")
+
+DrainDecision = Callable[[float | None], CheckpointFirst | MoveNow]
+
+
+class FailureSeen(Exception):
+    """Something went wrong with the ring: recover from ``failure``."""
+
+    def __init__(self, failure: Failure) -> None:
+        super().__init__(failure.detail)
+        self.failure = failure
+
+
+class CallTimeout(Exception):
+    """Not every worker answered in time (a hang, or a start that never completes)."""
+
+
+class JobError(Exception):
+    """A failure that a restart cannot fix: a worker raised ``ValueError`` (the job's own
+    options are wrong)."""
+
+
+class RingWatch:
+    """The job's current workers (actor handles, in rank order) and their nodes."""
+
+    def __init__(self, *, poll_seconds: float, settle_seconds: float,
+                 log: Callable[[str], None]) -> None:
+        self.poll_seconds = poll_seconds
+        self.settle_seconds = settle_seconds  # longest wait for a lost worker's cause
+        self.log = log
+        self.workers: list = []
+        self.nodes: tuple[str, ...] = ()  # node of each rank; () when nothing runs
+        self.drain: tuple[tuple[str, ...], float | None] | None = None  # nodes, seconds left
+
+    def track(self, workers: list, nodes: tuple[str, ...]) -> None:
+        """Watch these workers, on these nodes (planned ones until the workers report)."""
+        self.workers, self.nodes = workers, nodes
+
+    def forget(self) -> None:
+        self.workers, self.nodes = [], ()
+
+    # ----------------------------------------------------------------- waiting
+    def wait(self, refs: list, *, timeout: float, what: str = "workers to start",
+             drains: DrainDecision | None = None) -> list:
+        """The results of ``refs`` (in order), watching the workers while waiting.
+
+        Raises:
+            FailureSeen: a worker died, its node died, or a call raised; with ``drains``, a
+                drain whose deadline leaves no time for a checkpoint.
+            JobError: a call raised ``ValueError``.
+            CallTimeout: not every result within ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        rank_of = {ref: i for i, ref in enumerate(refs)}
+        results: dict = {}
+        while True:
+            ready, pending = ray.wait(refs, num_returns=len(refs), timeout=self.poll_seconds)
+            for ref in ready:
+                if ref not in results:
+                    results[ref] = self._result(ref, rank_of[ref])
+            if not pending:
+                return [results[ref] for ref in refs]
+            self.check_nodes()
+            if drains is not None:
+                self.check_drains(drains)
+            if time.monotonic() > deadline:
+                late = [rank_of[ref] for ref in pending]
+                raise CallTimeout(f"no answer from rank(s) {_ranks(late)} within "
+                                  f"{timeout:.0f} s while waiting for {what}")
+
+    def _result(self, ref, rank: int):
+        try:
+            return ray.get(ref)
+        except ActorUnavailableError:
+            raise FailureSeen(self._settle_lost_contact(rank)) from None
+        except RayActorError as exc:
+            raise FailureSeen(self._actor_death(rank, exc)) from None
+        except RayTaskError as exc:
+            cause = exc.cause if isinstance(exc.cause, BaseException) else None
+            if isinstance(cause, ValueError):
+                raise JobError(f"rank {rank}: {cause}") from None
+            raise FailureSeen(self._step_error(rank, cause or exc)) from None
+
+    def _step_error(self, rank: int, error: BaseException) -> Failure:
+        """A call that raised. A collective broken by a dead or stopped peer lands here too;
+        then the peer is the cause, and it is what gets reported."""
+        time.sleep(self.poll_seconds)
+        self.check_nodes()
+        self._check_workers_alive()
+        silent = self.silent_ranks()
+        if silent:  # a peer stopped inside a step: the collective timed out waiting on it
+            return Failure(kind=FailureKind.HANG,
+                           detail=f"rank {rank}: {_first_line(error)}; rank(s) "
+                           f"{_ranks(silent)} do not answer a health probe")
+        return Failure(kind=FailureKind.WORKER_ERROR, detail=f"rank {rank}: {_first_line(error)}")
+
+    # ----------------------------------------------------------------- causes
+    def _actor_death(self, rank: int, exc: RayActorError) -> Failure:
+        """A dead worker, counted under its cause."""
+        self.check_nodes()
+        node = _DEAD_NODE_IN_ACTOR_DEATH.search(str(exc))
+        if node is not None:
+            return Failure(kind=FailureKind.NODE_DIED, nodes=(node.group(1),),
+                           detail=f"node(s) {node.group(1)[:8]} died, taking rank {rank}")
+        return Failure(kind=FailureKind.ACTOR_DIED,
+                       detail=f"rank {rank} died ({_death_reason(exc)})")
+
+    def _settle_lost_contact(self, rank: int) -> Failure:
+        """Why the connection to ``rank`` dropped. Ray cannot say yet: either the worker's
+        process died (its raylet reports that within a moment) or its whole node did (seen
+        once the GCS health checks give up on it). Wait until one of them is known, so the
+        next placement leaves a dead node out and the restart is counted under its cause."""
+        deadline = time.monotonic() + self.settle_seconds
+        while time.monotonic() < deadline:
+            self.check_nodes()  # raises for a dead node
+            try:
+                ray.get(self.workers[rank].health.remote(), timeout=self.poll_seconds)
+            except ActorDiedError as exc:
+                return self._actor_death(rank, exc)
+            except (ActorUnavailableError, GetTimeoutError):
+                continue
+            return Failure(kind=FailureKind.WORKER_ERROR,
+                           detail=f"rank {rank}: a call was lost (the worker still answers)")
+        return Failure(kind=FailureKind.ACTOR_DIED,
+                       detail=f"rank {rank} unreachable for {self.settle_seconds:.0f} s")
+
+    def _ranks_by_node(self) -> dict[str, list[int]]:
+        nodes: dict[str, list[int]] = {}
+        for rank, node in enumerate(self.nodes):
+            nodes.setdefault(node, []).append(rank)
+        return nodes
+
+    def check_nodes(self) -> None:
+        """Raise ``node_died`` if a node holding a rank is dead."""
+        alive = node_liveness()
+        dead = {node: ranks for node, ranks in self._ranks_by_node().items()
+                if not alive.get(node, False)}
+        if dead:
+            ranks = sorted(r for rs in dead.values() for r in rs)
+            raise FailureSeen(Failure(
+                kind=FailureKind.NODE_DIED, nodes=tuple(sorted(dead)),
+                detail=f"node(s) {short_nodes(dead)} died, taking rank(s) {_ranks(ranks)}",
+            ))
+
+    def _check_workers_alive(self) -> None:
+        probes = [w.health.remote() for w in self.workers]
+        for rank, probe in enumerate(probes):
+            try:
+                ray.get(probe, timeout=PROBE_SECONDS)
+            except ActorUnavailableError:
+                raise FailureSeen(self._settle_lost_contact(rank)) from None
+            except RayActorError as exc:
+                raise FailureSeen(self._actor_death(rank, exc)) from None
+            except GetTimeoutError:
+                pass
+
+    def check_drains(self, decide: DrainDecision) -> None:
+        """Note a drain of a node holding a rank (once) in :attr:`drain`; raise
+        ``preempted`` at once when ``decide`` says there is no time to checkpoint first."""
+        ours = self._ranks_by_node()
+        draining = {node: left for node, left in draining_nodes().items() if node in ours}
+        if not draining or self.drain is not None:
+            return
+        lefts = [left for left in draining.values() if left is not None]
+        seconds_left = min(lefts) if lefts else None
+        self.drain = (tuple(sorted(draining)), seconds_left)
+        self.log(f"node(s) {short_nodes(draining)} draining"
+                 + (f", {seconds_left:.0f} s to the deadline" if seconds_left else ""))
+        decision = decide(seconds_left)
+        if isinstance(decision, MoveNow):
+            self.drain = None
+            raise FailureSeen(Failure(kind=FailureKind.PREEMPTED, nodes=tuple(sorted(draining)),
+                                      detail=f"node(s) {short_nodes(draining)} draining; "
+                                      f"{decision.why}"))
+
+    def silent_ranks(self) -> list[int]:
+        """Ranks that do not answer a health probe within :data:`PROBE_SECONDS`."""
+        probes = [w.health.remote() for w in self.workers]
+        silent = []
+        for rank, probe in enumerate(probes):
+            try:
+                ray.get(probe, timeout=PROBE_SECONDS)
+            except Exception:
+                silent.append(rank)
+        return silent
+
+    def describe_silence(self) -> str:
+        """Which ranks still answer a health probe (for a hang's report)."""
+        silent = self.silent_ranks()
+        if not silent:
+            return "every rank answers its health probe (stuck in a collective?)"
+        return f"rank(s) {_ranks(silent)} do not answer a health probe"
+
+
+def _death_reason(exc: RayActorError) -> str:
+    """The line of an actor's death that says why (Ray puts it after the actor's details)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    because = [line for line in lines if "because" in line]
+    return (because or lines or [type(exc).__name__])[0][:200]
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def short_nodes(nodes) -> str:
+    """Node ids, shortened for a log line."""
+    return ", ".join(node[:8] for node in sorted(nodes))
+
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
