@@ -338,6 +338,8 @@ def _run_on_ray(train_options, cluster_options, *, address: str | None, world: i
                 controller.stop.remote()
     release(controller)
     _report_end(final, train_options.run_dir)
+    if final.state == "stopped":
+        raise typer.Exit(code=130)  # stopped by Ctrl-C: checkpointed, but not finished
 
 
 class _TrainView:

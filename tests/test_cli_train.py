@@ -5,8 +5,10 @@ one line with a non-zero exit code, never a traceback."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -76,3 +78,29 @@ def test_a_job_that_cannot_be_placed_fails_with_the_reason(tmp_path: Path) -> No
     assert "job 'cli-test' failed at step 0: placement:" in result.stderr
     assert "worker slots" in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_ctrl_c_checkpoints_and_stops(tmp_path: Path) -> None:
+    """SIGINT (Ctrl-C) while training: the job checkpoints at the next step boundary and
+    stops; the command says so and exits 130; the checkpoint is the last step done."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([RINGRAY, "train", "jobs/quickstart.yaml", *_short_job(run_dir),
+                             "--steps", "100000"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        steps_log = run_dir / "steps.jsonl"
+        deadline = time.monotonic() + 180
+        while not (steps_log.exists() and len(steps_log.read_text().splitlines()) >= 3):
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no steps within 180 s"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "stopping: checkpoint at the next step boundary" in stderr
+    last = json.loads(steps_log.read_text().splitlines()[-1])["step"]
+    assert f"job 'cli-test' stopped at step {last}/100000" in stdout
+    assert (run_dir / "checkpoints" / f"step_{last:08d}").is_dir()
