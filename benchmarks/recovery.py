@@ -9,7 +9,7 @@ Seconds from the death of the node running a CP=2 ring to the first training ste
 after the restart, how soon the failure was noticed, and the steps done again, for ringray's
 service and for Ray Train v2's ``TorchTrainer`` training the same model with the same
 checkpoints. Ray Train needs the ``bench`` extra (``pip install -e '.[bench]'``). The
-measurement code, and what exactly is measured, is in ``ringray/bench/recovery.py``.
+measurement code, and what exactly is measured, is in ``ringray/cluster/recovery_bench.py``.
 """
 
 import os
@@ -29,7 +29,7 @@ from dataclasses import asdict  # noqa: E402
 
 from rich.console import Console  # noqa: E402
 
-from ringray.bench.recovery import (  # noqa: E402
+from ringray.cluster.recovery_bench import (  # noqa: E402
     RecoveryBenchOptions,
     recovery_table,
     run_recovery_bench,

@@ -1,5 +1,8 @@
 """Recovery from a node's death: ringray's service against Ray Train v2, side by side.
 
+(A benchmark, behind ``benchmarks/recovery.py``; it lives in ``ringray.cluster`` because that
+is the package's one home of Ray code.)
+
     results = run_recovery_bench(RecoveryBenchOptions(work_dir="/tmp/recovery"))
     Console().print(recovery_table(results))
 
