@@ -186,6 +186,11 @@ def test_summarize_step_hand_arithmetic() -> None:
     assert stats.exposed_comm_seconds == [0.1, 0.5, 0.0, 0.3]
     assert (stats.step, stats.grad_norm, stats.learning_rate, stats.tokens) == (7, 0.75, 1e-3, 50)
     assert stats.to_dict()["mfu"] == stats.mfu
+    # Per ring: overlap is the worse rank's (ring 0: min(0.9, 0.5), ring 1: min(1.0, 0.4)).
+    assert stats.overlap_ratio_per_ring == pytest.approx([0.5, 0.4], rel=1e-12)
+    assert stats.load_imbalance_per_ring == pytest.approx([1.5, 1.0], rel=1e-12)
+    assert stats.ring_bytes_sent == [1000, 1000, 2000, 500]
+    assert stats.peak_memory_bytes_per_rank == [100, 400, 300, 200]
 
 
 def test_summarize_step_without_peak_has_no_mfu() -> None:

@@ -8,7 +8,7 @@ It is pure, so the arithmetic is unit-tested without processes.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from ringray.attention.stats import imbalance_ratio, overlap_ratio
 from ringray.train.mesh import MeshShape
@@ -41,6 +41,11 @@ class StepStats:
     load_imbalance: float  # worst CP group's max / mean attention compute
     mfu: float | None  # model FLOPs utilisation against the peak; None when no peak is known
     peak_memory_bytes: int  # largest over ranks
+    # Per ring (DP index order) and per rank (global rank order), for metrics and dashboards.
+    overlap_ratio_per_ring: list[float] = field(default_factory=list)  # worst rank of each
+    load_imbalance_per_ring: list[float] = field(default_factory=list)
+    ring_bytes_sent: list[int] = field(default_factory=list)  # this step, per rank
+    peak_memory_bytes_per_rank: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -85,4 +90,10 @@ def summarize_step(
         load_imbalance=max(imbalances),
         mfu=mfu,
         peak_memory_bytes=int(max(r["peak_memory_bytes"] for r in rows)),
+        overlap_ratio_per_ring=[
+            min(overlaps[d * shape.cp : (d + 1) * shape.cp]) for d in range(shape.dp)
+        ],
+        load_imbalance_per_ring=imbalances,
+        ring_bytes_sent=[int(r["ring_bytes_sent"]) for r in rows],
+        peak_memory_bytes_per_rank=[int(r["peak_memory_bytes"]) for r in rows],
     )
