@@ -303,7 +303,14 @@ def _absolute(location: str) -> str:
 
 
 def _run_on_ray(train_options, cluster_options, *, address: str | None, world: int) -> None:
-    from ringray.cluster.launch import connect, follow, release, start_controller
+    from ringray.cluster.launch import (
+        connect,
+        follow,
+        job_status,
+        release,
+        request_stop,
+        start_controller,
+    )
 
     if address is None:
         # An embedded Ray listens on loopback only and ends with this command: Ray 2.60's
@@ -321,6 +328,9 @@ def _run_on_ray(train_options, cluster_options, *, address: str | None, world: i
     controller, reattached = start_controller(train_options, cluster_options)
     if reattached:
         _err.print(f"reattached to the running job {cluster_options.job_name!r}")
+    url = job_status(controller).metrics_url
+    if url:
+        _err.print(f"metrics: {url} (Prometheus; dashboards in dashboards/)", highlight=False)
     view = _TrainView(train_options.steps)
     final = None
     with view:
@@ -335,7 +345,7 @@ def _run_on_ray(train_options, cluster_options, *, address: str | None, world: i
                 view.stopping = True
                 view.say("stopping: checkpoint at the next step boundary (Ctrl-C again to "
                          "detach)")
-                controller.stop.remote()
+                request_stop(controller)
     release(controller)
     _report_end(final, train_options.run_dir)
     if final.state == "stopped":

@@ -210,6 +210,19 @@ class ClusterSpec(_Section):
         return value
 
 
+class MetricsSpec(_Section):
+    address: str = Field(
+        "127.0.0.1",
+        description="Address the controller serves Prometheus metrics on: loopback by "
+        "default; 0.0.0.0 lets a cluster's Prometheus scrape the head node.",
+    )
+    port: int | None = Field(
+        9477, ge=0, le=65535,
+        description="Port of the /metrics endpoint (0: any free port, shown at start; null: "
+        "no endpoint).",
+    )
+
+
 class JobSpec(_Section):
     name: str = Field("ringray-job", min_length=1, description="Job name.")
     run_dir: str | None = Field(
@@ -225,6 +238,9 @@ class JobSpec(_Section):
     eval: EvalSpec = Field(default_factory=EvalSpec, description="Evaluation after training.")
     cluster: ClusterSpec = Field(
         default_factory=ClusterSpec, description="How `ringray train` runs the job on Ray."
+    )
+    metrics: MetricsSpec = Field(
+        default_factory=MetricsSpec, description="The controller's Prometheus endpoint."
     )
 
     @model_validator(mode="after")
@@ -301,6 +317,8 @@ class JobSpec(_Section):
             request_resources=cluster.request_resources,
             intra_node_gbps=cluster.intra_node_gbps,
             inter_node_gbps=cluster.inter_node_gbps,
+            metrics_address=self.metrics.address,
+            metrics_port=self.metrics.port,
         )
 
     def train_options(self) -> TrainOptions:

@@ -61,6 +61,7 @@ from ringray.cluster.policy import (
 from ringray.cluster.status import TERMINAL_STATES, Event, JobState, JobStatus, Restart
 from ringray.cluster.watch import CallTimeout, FailureSeen, JobError, RingWatch, short_nodes
 from ringray.cluster.worker import TrainWorker, WorkerHealth
+from ringray.metrics.exporter import JobMetrics
 from ringray.train import CheckpointRef, StepStats, TrainOptions
 from ringray.train.loop import StepsLog
 
@@ -108,6 +109,10 @@ class JobController:
         self._recovering_from: int | None = None  # index into _restarts awaiting a first step
         self._error: str | None = None
         self._events: list[Event] = []
+        self._metrics = JobMetrics(cluster.job_name)
+        self._metrics.target(cluster.dp_max * cluster.cp)
+        self._metrics.state(self._state.value)
+        self._metrics_url = self._serve_metrics()
         self._handlers: dict[JobState, Callable[[], JobState]] = {
             JobState.PLACING: self._place,
             JobState.STARTING: self._start,
@@ -117,6 +122,19 @@ class JobController:
             JobState.RECOVERING: self._recover,
             JobState.RESIZING: self._resize,
         }
+
+    def _serve_metrics(self) -> str | None:
+        if self.cluster.metrics_port is None:
+            return None
+        address, port = self.cluster.metrics_address, self.cluster.metrics_port
+        try:
+            url = self._metrics.serve(address, port)
+        except OSError as exc:  # training matters more than its dashboard: go on without
+            self._log(f"metrics: cannot serve on {address}:{port} ({exc.strerror}); set "
+                      f"metrics.port to a free port (0: any)")
+            return None
+        self._log(f"metrics: {url}")
+        return url
 
     # ----------------------------------------------------------------- actor API
     def start(self) -> None:
@@ -144,6 +162,7 @@ class JobController:
                     self._restore.step if self._restore else None),
                 workers=self._worker_health, plan=plan,
                 error=self._error, events=tuple(self._events[-_EVENTS_KEPT:]),
+                metrics_url=self._metrics_url,
             )
 
     def wait(self, timeout_seconds: float) -> JobStatus:
@@ -174,6 +193,7 @@ class JobController:
         with self._lock:
             changed = state is not self._state
             self._state = state
+        self._metrics.state(state.value)
         if changed:
             self._log(f"state: {state.value}")
 
@@ -257,6 +277,7 @@ class JobController:
                                   timeout=self.cluster.startup_timeout_seconds)
             verify_placement(plan, [h.node_id for h in healths])
             self._watch.track(self._workers, tuple(h.node_id for h in healths))
+            self._metrics.placed(dp=plan.dp, cp=plan.cp, nodes=[h.node_id for h in healths])
             with self._lock:
                 self._worker_health = tuple(healths)
             host, port = self._watch.wait([self._workers[0].rendezvous_address.remote()],
@@ -382,6 +403,7 @@ class JobController:
 
     def _record_step(self, stats: StepStats) -> None:
         self.steps_log.append(stats)
+        self._metrics.step(stats)
         recovered = None
         with self._lock:
             self._step, self._last_stats = stats.step, stats
@@ -392,6 +414,7 @@ class JobController:
                     self._restarts[index].detected_at,
                 )
         if recovered is not None:
+            self._metrics.recovered(recovered.recovery_seconds)
             self._log(f"recovered from {recovered.reason} in {recovered.recovery_seconds:.1f} s "
                       f"(to the first step done); {recovered.lost_steps} step(s) redone")
         if self._plan is not None and self._plan.dp < self.cluster.dp_max:
@@ -424,6 +447,7 @@ class JobController:
             self._checkpoint_seconds = time.monotonic() - started
             self._saved_steps.add(ref.step)
             self._restore = ref
+        self._metrics.checkpoint(seconds=self._checkpoint_seconds, step=ref.step)
         self._log(f"checkpoint {ref.location} ({self._checkpoint_seconds:.1f} s)")
         follow_up, self._after_checkpoint = self._after_checkpoint, None
         if follow_up is JobState.RECOVERING:
@@ -478,6 +502,7 @@ class JobController:
         if isinstance(decision, GiveUp):
             self._error = decision.reason
             return JobState.FAILED
+        self._metrics.restart(failure.kind.value)
         with self._lock:
             if decision.counts_as_failure:
                 self._failures_used += 1
@@ -491,6 +516,7 @@ class JobController:
 
     def _resize(self) -> JobState:
         self._teardown()
+        self._metrics.resized()
         with self._lock:
             self._resizes += 1
         return JobState.PLACING
@@ -508,6 +534,7 @@ class JobController:
             except Exception:  # already removed, or its node is gone
                 pass
         self._watch.forget()
+        self._metrics.stopped()
         with self._lock:  # _worker_health stays: the status shows where the job last ran
             self._workers, self._pg = [], None
 

@@ -75,6 +75,15 @@ def start_controller(train: TrainOptions, cluster: ClusterOptions) -> tuple[obje
     return handle, False
 
 
+def job_status(controller) -> JobStatus:
+    return ray.get(controller.status.remote())
+
+
+def request_stop(controller) -> None:
+    """Ask the job to checkpoint at its next step boundary and stop (returns at once)."""
+    controller.stop.remote()
+
+
 def follow(
     controller,
     *,
@@ -83,7 +92,7 @@ def follow(
 ) -> JobStatus:
     """Call ``on_status`` with the job's status every ``poll_seconds`` until the job ends."""
     while True:
-        status: JobStatus = ray.get(controller.status.remote())
+        status = job_status(controller)
         on_status(status)
         if status.done:
             return status

@@ -28,6 +28,8 @@ class ClusterOptions:
     poll_seconds: float = 0.5  # how often node liveness and drains are checked
     intra_node_gbps: float | None = None  # link figures for the placement's cost summary
     inter_node_gbps: float | None = None
+    metrics_address: str = "127.0.0.1"  # where the controller serves /metrics
+    metrics_port: int | None = None  # None: no endpoint; 0: any free port
 
     @property
     def process_group_backend(self) -> str:

@@ -73,6 +73,7 @@ class JobStatus:
     plan: PlacementPlan | None  # the current (or last) placement
     error: str | None
     events: tuple[Event, ...]
+    metrics_url: str | None = None  # the controller's Prometheus endpoint, when it serves one
 
     @property
     def world_size(self) -> int:

@@ -1,0 +1,149 @@
+"""The exporter's output: exactly the catalog's series, Prometheus conventions, the values of
+a step, per-rank series dropped on a new placement, and an exposition that promtool accepts.
+Parsed with prometheus-client's own parser; checked with Debian's promtool (CI installs the
+`prometheus` package)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from ringray.metrics.catalog import (
+    CATALOG,
+    CONTROLLER_STATES,
+    RESTART_REASONS,
+    exported_series_names,
+    metric,
+)
+from ringray.metrics.exporter import JobMetrics
+from ringray.train.stats import StepStats
+
+UNIT_SUFFIXES = ("_seconds", "_bytes", "_ratio", "_total", "_second", "_rate")
+
+
+def _stats(step: int = 3) -> StepStats:
+    return StepStats(
+        step=step, loss=2.5, grad_norm=0.75, learning_rate=1e-3, step_seconds=0.2,
+        tokens=4096, tokens_per_second=20480.0,
+        attention_compute_seconds=[0.1, 0.12, 0.09, 0.11], exposed_comm_seconds=[0.01, 0, 0, 0.02],
+        overlap_ratio=0.8, load_imbalance=1.1, mfu=0.4, peak_memory_bytes=4000,
+        overlap_ratio_per_ring=[0.9, 0.8], load_imbalance_per_ring=[1.05, 1.1],
+        ring_bytes_sent=[1000, 1000, 2000, 2000], peak_memory_bytes_per_rank=[1, 2, 3, 4000],
+    )
+
+
+def _samples(metrics: JobMetrics) -> dict[tuple[str, tuple], float]:
+    out = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def test_catalog_follows_prometheus_conventions() -> None:
+    names = [spec.name for spec in CATALOG]
+    assert len(names) == len(set(names))
+    for spec in CATALOG:
+        assert spec.name.startswith("ringray_"), spec.name
+        assert spec.kind in ("gauge", "counter", "histogram")
+        assert spec.name.endswith("_total") == (spec.kind == "counter"), spec.name
+        assert spec.help.endswith("."), spec.name
+        assert "job" in spec.labels
+        assert not {"step", "run", "run_id", "sequence"} & set(spec.labels), spec.name
+        assert bool(spec.buckets) == (spec.kind == "histogram")
+    with pytest.raises(KeyError, match="'ringray_nope' is not in ringray.metrics.catalog"):
+        metric("ringray_nope")
+
+
+def test_exporter_serves_exactly_the_catalog() -> None:
+    metrics = JobMetrics("j")
+    metrics.placed(dp=2, cp=2, nodes=["aaaaaaaa11", "aaaaaaaa11", "bbbbbbbb22", "bbbbbbbb22"])
+    metrics.step(_stats())
+    metrics.checkpoint(seconds=1.5, step=3)
+    names = {name for name, _ in _samples(metrics)}
+    served = {n for n in names if not n.endswith("_created")}
+    assert served == exported_series_names()
+
+
+def test_a_step_sets_its_values_on_the_right_labels() -> None:
+    metrics = JobMetrics("j")
+    metrics.target(4)
+    metrics.placed(dp=2, cp=2, nodes=["aaaaaaaa11", "aaaaaaaa11", "bbbbbbbb22", "bbbbbbbb22"])
+    metrics.step(_stats())
+    metrics.step(_stats(step=4))
+    samples = _samples(metrics)
+
+    def value(name: str, **labels: str) -> float:
+        return samples[(name, tuple(sorted({"job": "j", **labels}.items())))]
+
+    assert value("ringray_loss") == 2.5 and value("ringray_training_step") == 4
+    assert value("ringray_model_flops_utilization_ratio") == 0.4
+    assert value("ringray_world_size") == 4 and value("ringray_world_size_target") == 4
+    assert value("ringray_step_duration_seconds_count") == 2
+    assert value("ringray_attention_compute_seconds", ring="1", rank="2",
+                 node="bbbbbbbb") == 0.09
+    assert value("ringray_exposed_comm_seconds", ring="0", rank="1", node="aaaaaaaa") == 0
+    assert value("ringray_ring_sent_bytes_total", ring="1", rank="3", node="bbbbbbbb") == 4000
+    assert value("ringray_peak_memory_bytes", ring="1", rank="3", node="bbbbbbbb") == 4000
+    assert value("ringray_ring_overlap_ratio", ring="0") == 0.9
+    assert value("ringray_load_imbalance_ratio", ring="1") == 1.1
+
+
+def test_state_is_one_hot_and_restarts_count_by_reason() -> None:
+    metrics = JobMetrics("j")
+    metrics.state("recovering")
+    metrics.restart("node_died")
+    metrics.restart("node_died")
+    metrics.recovered(4.5)
+    metrics.resized()
+    samples = _samples(metrics)
+    states = {dict(labels)["state"]: v for (name, labels), v in samples.items()
+              if name == "ringray_controller_state"}
+    assert states == {s: (1.0 if s == "recovering" else 0.0) for s in CONTROLLER_STATES}
+    restarts = {dict(labels)["reason"]: v for (name, labels), v in samples.items()
+                if name == "ringray_restarts_total"}
+    assert restarts == {r: (2.0 if r == "node_died" else 0.0) for r in RESTART_REASONS}
+    assert samples[("ringray_recovery_duration_seconds_sum", (("job", "j"),))] == 4.5
+    assert samples[("ringray_resizes_total", (("job", "j"),))] == 1
+
+
+def test_a_new_placement_drops_the_old_ranks() -> None:
+    """After a shrink from 4 ranks to 2, ranks 2 and 3 are gone rather than frozen."""
+    metrics = JobMetrics("j")
+    metrics.placed(dp=2, cp=2, nodes=["a" * 8] * 4)
+    metrics.step(_stats())
+    metrics.placed(dp=1, cp=2, nodes=["a" * 8] * 2)
+    ranks = {dict(labels).get("rank") for (name, labels) in _samples(metrics)
+             if name == "ringray_ring_sent_bytes_total"}
+    assert ranks == {"0", "1"}
+    rings = {dict(labels).get("ring") for (name, labels) in _samples(metrics)
+             if name == "ringray_ring_overlap_ratio"}
+    assert rings == set()
+
+
+def test_serve_answers_a_scrape_and_promtool_accepts_it() -> None:
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool not found: install Debian's `prometheus` package (.ci/run does)"
+    metrics = JobMetrics("j")
+    url = metrics.serve("127.0.0.1", 0)
+    try:
+        metrics.placed(dp=1, cp=2, nodes=["a" * 8] * 2)
+        metrics.step(StepStats(**{**_stats().__dict__, "attention_compute_seconds": [0.1, 0.2],
+                                  "exposed_comm_seconds": [0, 0],
+                                  "overlap_ratio_per_ring": [1.0],
+                                  "load_imbalance_per_ring": [1.0],
+                                  "ring_bytes_sent": [10, 10],
+                                  "peak_memory_bytes_per_rank": [1, 1]}))
+        with urllib.request.urlopen(url, timeout=10) as response:
+            body = response.read()
+    finally:
+        metrics.close()
+    assert b'ringray_loss{job="j"} 2.5' in body
+    check = subprocess.run([promtool, "check", "metrics"], input=body, capture_output=True,
+                           timeout=60)
+    assert check.returncode == 0 and not check.stdout.strip() and not check.stderr.strip(), (
+        check.stdout.decode() + check.stderr.decode())
