@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ringray-installed
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup run test lint bench clean prometheus
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -27,7 +27,19 @@ bench: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check ringray tests benchmarks examples
 
-test: lint
+## The end-to-end metrics tests run a real Prometheus, and promtool checks the exporter and the
+## rules in infra/: Debian's `prometheus` package, installed here when missing. It must not leave
+## a Prometheus of its own running (it would hold port 9090 for nothing).
+prometheus:
+	@if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then \
+		echo "installing Debian's prometheus package (promtool, prometheus)"; \
+		DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			prometheus >/dev/null && \
+		(service prometheus stop >/dev/null 2>&1 || true); \
+	fi
+
+test: lint prometheus
 	$(PY) -m pytest -q
 
 clean:

@@ -4,6 +4,8 @@
     ringray train jobs/quickstart.yaml --address auto  # the Ray cluster this machine is in
     ringray bench ring --world 4 --seq 16384 --heads 8 --kv-heads 2 --head-dim 64
     ringray bench kernel --seqs 4096,8192,16384
+    ringray dashboards push --url http://localhost:3000 --token $GRAFANA_TOKEN
+    ringray report runs/quickstart                     # PNG plots of a run's steps
 
 Errors are one line on stderr and a non-zero exit code, never a traceback.
 """
@@ -247,6 +249,77 @@ def _print_ring_tables(results) -> None:
                         f"{r.imbalance_theoretical:.3f}", f"{r.work_efficiency:.3f}",
                         f"{r.compute_seconds_max:.3f}", f"{r.single_process_seconds:.3f}")
     out.print(summary)
+
+
+dashboards_app = typer.Typer(help="Grafana dashboards (kept as code in ringray.dashboards).",
+                             no_args_is_help=True)
+app.add_typer(dashboards_app, name="dashboards")
+
+
+@dashboards_app.command("export")
+def dashboards_export(
+    directory: str = typer.Argument(..., metavar="DIR",
+                                    help="Directory to write the JSON files into."),
+) -> None:
+    """Write the dashboards' JSON (ringray-job.json, ringray-ring.json) into DIR.
+
+    Example: ringray dashboards export infra/grafana/dashboards
+    """
+    from ringray.dashboards import write_dashboards
+
+    try:
+        paths = write_dashboards(directory)
+    except OSError as exc:
+        _fail(f"DIR {directory}: {exc.strerror or exc}")
+    for path in paths:
+        Console().print(str(path), highlight=False)
+
+
+@dashboards_app.command("push")
+def dashboards_push(
+    url: str = typer.Option(..., "--url", envvar="GRAFANA_URL",
+                            help="Grafana's address, e.g. https://grafana.example.com "
+                            "(or $GRAFANA_URL)."),
+    token: str = typer.Option(..., "--token", envvar="GRAFANA_TOKEN",
+                              help="A Grafana service-account token (or $GRAFANA_TOKEN, which "
+                              "keeps it out of the shell history)."),
+    folder: str | None = typer.Option(None, "--folder",
+                                      help="Folder to put them in (created if missing); "
+                                      "default: General."),
+) -> None:
+    """Create or update the dashboards on a Grafana server (same uids: updates in place).
+
+    Example: ringray dashboards push --url http://localhost:3000 --token $TOKEN --folder ringray
+    """
+    from ringray.dashboards.push import DashboardPushError, push_dashboards
+
+    try:
+        pushed = push_dashboards(url=url, token=token, folder=folder)
+    except DashboardPushError as exc:
+        _fail(str(exc))
+    for board in pushed:
+        Console().print(f"{board.title}: {board.url} (version {board.version})",
+                        highlight=False)
+
+
+@app.command("report")
+def report(
+    run: str = typer.Argument(..., metavar="RUN", help="Run directory, e.g. runs/quickstart."),
+    out: str | None = typer.Option(None, "--out", help="Directory for the PNGs; default: "
+                                   "RUN/report."),
+) -> None:
+    """PNG plots of a run's loss, tokens/s, overlap and load imbalance per step.
+
+    Example: ringray report runs/quickstart
+    """
+    from ringray.report import ReportError, write_report
+
+    try:
+        paths = write_report(run, out)
+    except ReportError as exc:
+        _fail(str(exc))
+    for path in paths:
+        typer.echo(str(path))
 
 
 @app.command("train")
