@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -322,6 +323,75 @@ def report(
         typer.echo(str(path))
 
 
+@app.command("plan")
+def plan(
+    spec_path: str = typer.Argument(
+        ..., metavar="SPEC", help="Job spec (YAML), e.g. jobs/llama-1b-128k-h100.yaml."
+    ),
+    cluster: str | None = typer.Option(
+        None, "--cluster",
+        help="NODESxGPUSxACCELERATOR, e.g. 4x8xH100 (NVLink inside a node, InfiniBand "
+        "between). Known accelerators: H100, H200, A100.",
+    ),
+    gpu_tflops: float | None = typer.Option(
+        None, "--gpu-tflops", help="A custom device: dense bf16 peak, TFLOP/s."),
+    link_gbps: float | None = typer.Option(
+        None, "--link-gbps", help="A custom device: ring link speed, Gb/s, one direction."),
+    gpu_mem_gib: float | None = typer.Option(
+        None, "--gpu-mem-gib", help="A custom device: memory, GiB."),
+    overrides: list[str] = typer.Option(  # noqa: B008 - typer's documented form
+        [], "--set", help="Override a spec field (repeatable), e.g. parallel.cp=16."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
+) -> None:
+    """Will a job fit its cluster? Memory per device, ring overlap, recommended cp, verdict.
+
+    Per device: weights, gradients and AdamW state (replicated), activations (the ring's
+    per-layer accounting), the ring's K/V buffers; the overlap threshold c >= F/B x constant
+    against the job's block (seq_len / cp tokens per rank). Exit code 0 when it fits, 1 when
+    it does not, 2 for a usage error.
+
+    Examples:
+
+      ringray plan jobs/llama-1b-128k-h100.yaml --cluster 1x8xH100
+
+      ringray plan jobs/llama-8b-1m-64xh100.yaml --cluster 8x8xH200 --json
+
+      ringray plan jobs/quickstart.yaml --gpu-tflops 300 --link-gbps 100 --gpu-mem-gib 24
+    """
+    from ringray.config import JobSpecError, load_job_spec
+    from ringray.plan import PlanError, custom_cluster, parse_cluster, plan_job
+
+    custom = {"--gpu-tflops": gpu_tflops, "--link-gbps": link_gbps,
+              "--gpu-mem-gib": gpu_mem_gib}
+    given = [flag for flag, value in custom.items() if value is not None]
+    try:
+        if cluster is not None and given:
+            raise PlanError(f"--cluster: give it or the custom device flags ({', '.join(given)}), "
+                            f"not both")
+        if cluster is not None:
+            shape = parse_cluster(cluster)
+        elif len(given) == len(custom):
+            shape = custom_cluster(tflops=gpu_tflops, link_gbps=link_gbps,
+                                   memory_gib=gpu_mem_gib)
+        else:
+            missing = [flag for flag in custom if flag not in given]
+            raise PlanError(
+                f"--cluster: required, e.g. 4x8xH100 (NODESxGPUSxACCELERATOR), unless a custom "
+                f"device is given by --gpu-tflops, --link-gbps and --gpu-mem-gib (missing: "
+                f"{', '.join(missing)})")
+        report = plan_job(load_job_spec(spec_path, overrides), shape)
+    except (JobSpecError, PlanError) as exc:
+        _fail(str(exc).replace("\n", "; "))
+    if as_json:
+        json.dump(report.to_dict(), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        typer.echo(report.format())
+    if not report.fits:
+        raise typer.Exit(code=1)
+
+
 @app.command("train")
 def train(
     spec_path: str = typer.Argument(
@@ -367,12 +437,27 @@ def train(
         f"on {'Ray at ' + address if address else 'an embedded local Ray'}",
         highlight=False,
     )
+    _write_effective_spec(spec, train_options.run_dir)
     _run_on_ray(train_options, cluster_options, address=address, world=world)
 
 
 def _absolute(location: str) -> str:
     """A local path made absolute (workers and the controller do not share our cwd)."""
-    return location if "://" in location else str(Path(location).resolve())
+    return location if "://" in location else str(Path(location).expanduser().resolve())
+
+
+def _write_effective_spec(spec, run_dir: str) -> None:
+    """The spec as run (overrides applied, run_dir absolute) as ``RUN/job.yaml``, so that
+    ``ringray resume RUN`` can run the job again."""
+    import yaml
+
+    data = spec.model_dump(mode="json")
+    data["run_dir"] = run_dir
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    (Path(run_dir) / "job.yaml").write_text(
+        "# The job as run by `ringray train` (overrides applied); `ringray resume` reads it.\n"
+        + yaml.safe_dump(data, sort_keys=False)
+    )
 
 
 def _run_on_ray(train_options, cluster_options, *, address: str | None, world: int) -> None:
@@ -406,6 +491,8 @@ def _run_on_ray(train_options, cluster_options, *, address: str | None, world: i
         _err.print(f"metrics: {url} (Prometheus; dashboards in dashboards/)", highlight=False)
     view = _TrainView(train_options.steps)
     final = None
+    # `ringray stop` (Ray's job stop) sends SIGTERM: handled like Ctrl-C, checkpoint and stop.
+    signal.signal(signal.SIGTERM, _interrupt)
     with view:
         while final is None:
             try:
@@ -419,10 +506,15 @@ def _run_on_ray(train_options, cluster_options, *, address: str | None, world: i
                 view.say("stopping: checkpoint at the next step boundary (Ctrl-C again to "
                          "detach)")
                 request_stop(controller)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     release(controller)
     _report_end(final, train_options.run_dir)
     if final.state == "stopped":
         raise typer.Exit(code=130)  # stopped by Ctrl-C: checkpointed, but not finished
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 class _TrainView:
@@ -497,6 +589,11 @@ def _report_end(status, run_dir: str) -> None:
 
 def _or_dash(value) -> str:
     return "-" if value is None else str(value)
+
+
+# The commands for jobs on a remote cluster (submit, list, status, logs, stop, resume) live
+# in their own module; importing it registers them on `app`.
+from ringray import cli_jobs  # noqa: E402, F401
 
 
 def main() -> None:

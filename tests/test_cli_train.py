@@ -31,7 +31,7 @@ def _short_job(run_dir: Path) -> list[str]:
             "--set", "eval.passkey_samples=1"]
 
 
-def test_train_runs_a_job_to_the_end_and_resumes_it(tmp_path: Path) -> None:
+def test_train_runs_a_job_to_the_end_and_resume_continues_it(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     first = _train(*_short_job(run_dir))
     assert first.returncode == 0, first.stderr[-3000:]
@@ -47,7 +47,10 @@ def test_train_runs_a_job_to_the_end_and_resumes_it(tmp_path: Path) -> None:
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
         "step_00000002", "step_00000004"]
 
-    again = _train(*_short_job(run_dir), "--steps", "6")
+    # `ringray resume RUN` trains the run's own job.yaml (the spec as run) again.
+    assert "run_dir: " + str(run_dir) in (run_dir / "job.yaml").read_text()
+    again = subprocess.run([RINGRAY, "resume", str(run_dir), "--steps", "6"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=240)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "restored" in again.stderr and "at step 4" in again.stderr
     assert "finished at step 6/6" in again.stdout

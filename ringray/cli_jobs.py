@@ -1,0 +1,271 @@
+"""``ringray submit | list | status | logs | stop | resume``: jobs on a remote Ray cluster.
+
+    ringray submit jobs/quickstart.yaml --address http://head:8265     # prints the id
+    ringray list --address http://head:8265
+    ringray status ringray-quickstart-20261121-101500 --address http://head:8265
+    ringray logs ringray-quickstart-20261121-101500 --follow
+    ringray stop ringray-quickstart-20261121-101500
+    ringray resume ringray-quickstart-20261121-101500       # or: ringray resume runs/quickstart
+
+``--address`` is the Ray dashboard's URL (the Ray Jobs API), and may come from
+``$RAY_API_SERVER_ADDRESS`` as with Ray's own ``ray job`` commands. Registered on the app of
+:mod:`ringray.cli`, which imports this module.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ringray.cli import _err, _fail, app, train
+
+ADDRESS_HELP = ("Ray dashboard URL of the cluster (Ray Jobs API), e.g. http://head:8265; "
+                "default: $RAY_API_SERVER_ADDRESS.")
+
+
+def _address_option() -> str:
+    return typer.Option(..., "--address", envvar="RAY_API_SERVER_ADDRESS", help=ADDRESS_HELP)
+
+
+def _jobs(address: str):
+    from ringray.cluster.jobs import RayJobs
+
+    try:
+        return RayJobs(address)
+    except Exception as exc:  # the SDK raises ConnectionError, ValueError, RuntimeError...
+        _fail(f"--address {address}: cannot reach the Ray Jobs API ({_first_line(exc)})")
+
+
+def _call(what: str, fn, *args):
+    """A Jobs API call whose failure becomes one line (unknown id, lost connection)."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        _fail(f"{what}: {_first_line(exc)}")
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
+
+
+def _when(seconds: float | None) -> str:
+    return datetime.fromtimestamp(seconds).strftime("%Y-%m-%d %H:%M:%S") if seconds else "-"
+
+
+@app.command("submit")
+def submit(
+    spec_path: str = typer.Argument(..., metavar="SPEC", help="Job spec (YAML)."),
+    address: str = _address_option(),
+    steps: int | None = typer.Option(None, "--steps", min=1, help="Override train.steps."),
+    overrides: list[str] = typer.Option(  # noqa: B008 - typer's documented form
+        [], "--set", help="Override a spec field (repeatable), e.g. train.seq_len=8192."
+    ),
+    run_dir: str | None = typer.Option(
+        None, "--run-dir",
+        help="Run directory on the cluster (steps.jsonl, checkpoints); default: the spec's "
+        "run_dir, else ~/ringray-runs/<name>. Multi-node jobs need shared storage there.",
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the submission as JSON."),
+) -> None:
+    """Submit a job to a Ray cluster (Ray Jobs API); prints its submission id.
+
+    The spec is validated here first. This directory is shipped as the job's working
+    directory (without .venv, runs, .git); the cluster runs `ringray train SPEC`.
+
+    Example: ringray submit jobs/quickstart.yaml --address http://127.0.0.1:8265 --steps 50
+    """
+    from ringray.config import JobSpecError, load_job_spec
+
+    if steps is not None:
+        overrides = [*overrides, f"train.steps={steps}"]
+    try:
+        spec = load_job_spec(spec_path, overrides)
+        spec.cluster_options()
+    except JobSpecError as exc:
+        _fail(str(exc).replace("\n", "; "))
+    if not Path(spec_path).resolve().is_relative_to(Path.cwd()):
+        _fail(f"{spec_path}: the spec must be inside this directory (it is shipped as the "
+              f"job's working directory)")
+    relative_spec = str(Path(spec_path).resolve().relative_to(Path.cwd()))
+    run_dir = run_dir or spec.run_dir or f"~/ringray-runs/{spec.name}"
+    jobs = _jobs(address)
+    submission_id = _call(f"--address {address}", lambda: jobs.submit(
+        spec_path=relative_spec, job_name=spec.name, overrides=overrides, run_dir=run_dir))
+    if as_json:
+        json.dump({"submission_id": submission_id, "run_dir": run_dir}, sys.stdout)
+        sys.stdout.write("\n")
+        return
+    _err.print(f"submitted job {spec.name!r} to {address}; run directory on the cluster: "
+               f"{run_dir}", highlight=False)
+    _err.print(f"follow it: ringray logs {submission_id} --follow --address {address}",
+               highlight=False)
+    print(submission_id)
+
+
+@app.command("list")
+def list_jobs(
+    address: str = _address_option(),
+    as_json: bool = typer.Option(False, "--json", help="Print the submissions as JSON."),
+) -> None:
+    """ringray's submissions on a cluster, newest first.
+
+    Example: ringray list --address http://127.0.0.1:8265
+    """
+    jobs = _jobs(address)
+    submissions = _call(f"--address {address}", jobs.list)
+    if as_json:
+        json.dump([s.to_dict() for s in submissions], sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return
+    table = Table()
+    for column in ("submission", "job", "status", "started", "ended"):
+        table.add_column(column, no_wrap=True)
+    for s in submissions:
+        table.add_row(s.submission_id, s.job_name, s.status, _when(s.start_time),
+                      _when(s.end_time))
+    Console().print(table)
+
+
+@app.command("status")
+def status(
+    submission_id: str = typer.Argument(..., metavar="ID", help="Submission id."),
+    address: str = _address_option(),
+    as_json: bool = typer.Option(False, "--json", help="Print the status as JSON."),
+) -> None:
+    """A submission's state, times, run directory and latest progress line.
+
+    Example: ringray status ringray-quickstart-20261121-101500 --address http://127.0.0.1:8265
+    """
+    jobs = _jobs(address)
+    info = _call(submission_id, jobs.info, submission_id)
+    logs = _call(submission_id, jobs.logs, submission_id)
+    progress = next((line.strip() for line in reversed(logs.splitlines()) if line.strip()), "")
+    if as_json:
+        json.dump({**info.to_dict(), "last_line": progress}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return
+    out = Console()
+    out.print(f"{info.submission_id}: {info.status}" + (f" ({info.message})"
+                                                         if info.message else ""),
+              highlight=False)
+    out.print(f"  job {info.job_name!r}, spec {info.spec}, run directory {info.run_dir}",
+              highlight=False)
+    out.print(f"  started {_when(info.start_time)}, ended {_when(info.end_time)}",
+              highlight=False)
+    if progress:
+        out.print(f"  last line: {progress}", highlight=False)
+
+
+@app.command("logs")
+def logs(
+    submission_id: str = typer.Argument(..., metavar="ID", help="Submission id."),
+    address: str = _address_option(),
+    follow: bool = typer.Option(False, "--follow", "-f", help="Stream until the job ends."),
+) -> None:
+    """A submission's output (the `ringray train` progress and events).
+
+    Example: ringray logs ringray-quickstart-20261121-101500 --follow
+    """
+    jobs = _jobs(address)
+    if not follow:
+        sys.stdout.write(_call(submission_id, jobs.logs, submission_id))
+        return
+    _call(submission_id, jobs.info, submission_id)  # an unknown id fails in one line
+    try:
+        for chunk in jobs.follow_logs(submission_id):
+            sys.stdout.write(chunk)
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        raise typer.Exit(code=130) from None
+    except Exception as exc:
+        _fail(f"{submission_id}: log stream ended ({_first_line(exc)})")
+    final = _call(submission_id, jobs.info, submission_id)
+    _err.print(f"{submission_id}: {final.status}", highlight=False)
+
+
+@app.command("stop")
+def stop(
+    submission_id: str = typer.Argument(..., metavar="ID", help="Submission id."),
+    address: str = _address_option(),
+    wait: bool = typer.Option(True, "--wait/--no-wait",
+                              help="Wait until the job has checkpointed and stopped."),
+) -> None:
+    """Stop a submission: it checkpoints at its next step boundary, then stops.
+
+    Example: ringray stop ringray-quickstart-20261121-101500 --address http://127.0.0.1:8265
+    """
+    from ringray.cluster.jobs import STOP_GRACE_SECONDS
+
+    jobs = _jobs(address)
+    if not _call(submission_id, jobs.stop, submission_id):
+        info = _call(submission_id, jobs.info, submission_id)
+        _err.print(f"{submission_id} had already ended: {info.status}", highlight=False)
+        return
+    _err.print(f"{submission_id}: stop requested (checkpoint at the next step, then stop)",
+               highlight=False)
+    if not wait:
+        return
+    deadline = time.monotonic() + STOP_GRACE_SECONDS + 30
+    with _err.status("waiting for the job to stop..."):
+        while not (info := _call(submission_id, jobs.info, submission_id)).done:
+            if time.monotonic() > deadline:
+                _fail(f"{submission_id}: still {info.status} after {STOP_GRACE_SECONDS + 30} s")
+            time.sleep(1)
+    _err.print(f"{submission_id}: {info.status}", highlight=False)
+
+
+@app.command("resume")
+def resume(
+    run: str = typer.Argument(..., metavar="RUN",
+                              help="A run directory (with job.yaml) or a submission id."),
+    address: str | None = typer.Option(
+        None, "--address", envvar="RAY_API_SERVER_ADDRESS",
+        help="For a submission id: the Ray dashboard URL, e.g. http://head:8265.",
+    ),
+    steps: int | None = typer.Option(None, "--steps", min=1, help="Override train.steps."),
+    overrides: list[str] = typer.Option(  # noqa: B008 - typer's documented form
+        [], "--set", help="Override a spec field (repeatable)."
+    ),
+) -> None:
+    """Continue a run from its last complete checkpoint after the whole job died.
+
+    A run directory is trained again here (`ringray train RUN/job.yaml`, on an embedded Ray
+    or $RAY_ADDRESS); a submission id is submitted again, with the same spec, overrides and
+    run directory.
+
+    Example: ringray resume runs/quickstart --steps 200
+    """
+    overrides = [*overrides, "checkpoint.resume=true"]
+    run_path = Path(run).expanduser()
+    if run_path.is_dir():
+        spec = run_path / "job.yaml"
+        if not spec.is_file():
+            _fail(f"{run}: no job.yaml here (a run directory that `ringray train` wrote has one)")
+        train(spec_path=str(spec), address=None, steps=steps, overrides=overrides)
+        return
+    if address is None:
+        _fail(f"{run}: not a run directory; for a submission id give --address (the Ray "
+              f"dashboard URL)")
+    jobs = _jobs(address)
+    info = _call(run, jobs.info, run)
+    if not info.job_name:
+        _fail(f"{run}: not a ringray submission (no ringray metadata)")
+    if not info.done:
+        _fail(f"{run}: still {info.status}; stop it first (ringray stop {run})")
+    previous = [o for o in info.overrides if not o.startswith("train.steps=") or steps is None]
+    if steps is not None:
+        previous.append(f"train.steps={steps}")
+    submission_id = _call(f"--address {address}", lambda: jobs.submit(
+        spec_path=info.spec, job_name=info.job_name, overrides=[*previous, *overrides],
+        run_dir=info.run_dir))
+    _err.print(f"resubmitted job {info.job_name!r} (from {run}) to continue from its last "
+               f"checkpoint in {info.run_dir}", highlight=False)
+    print(submission_id)

@@ -1,0 +1,154 @@
+"""Jobs on a Ray cluster through the CLI, end to end: `ray start --head` in a temporary
+directory, then `ringray submit` runs a job to completion, `status` shows it, `logs --follow`
+streams it, a second submission is stopped with `ringray stop` (it checkpoints first), and
+`ringray resume` continues that run from its last checkpoint. The cluster is stopped
+afterwards by killing only the processes of its temporary directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from distributed import free_loopback_port
+
+pytestmark = pytest.mark.timeout(600)
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+RINGRAY = str(BIN / "ringray")
+
+
+def _stop_processes_under(directory: str) -> None:
+    mine = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if directory.encode() in cmdline.read_bytes():
+                mine.append(int(cmdline.parent.name))
+        except OSError:
+            continue
+    for pid in mine:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}").exists() for pid in mine) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+@pytest.fixture()
+def ray_head():
+    """A Ray head node with its dashboard (the Jobs API) on free loopback ports."""
+    temp_dir = tempfile.mkdtemp(prefix="rr-jobs-", dir="/tmp")
+    port, dashboard_port = free_loopback_port(), free_loopback_port()
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
+    try:
+        subprocess.run(
+            [str(BIN / "ray"), "start", "--head", f"--port={port}", "--num-cpus=4",
+             f"--temp-dir={temp_dir}", "--include-dashboard=true",
+             "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
+             "--disable-usage-stats"],
+            env=env, check=True, capture_output=True, timeout=180,
+        )
+        url = f"http://127.0.0.1:{dashboard_port}"
+        deadline = time.monotonic() + 90
+        while True:  # the dashboard's job module comes up after `ray start` returns
+            try:
+                with urllib.request.urlopen(f"{url}/api/version", timeout=5):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "the Ray dashboard never answered"
+                time.sleep(1)
+        yield url
+    finally:
+        _stop_processes_under(temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _ringray(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([RINGRAY, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    return result
+
+
+def _small(name: str) -> list[str]:
+    return ["--set", f"name={name}", "--set", "train.seq_len=512", "--set", "parallel.cp=2",
+            "--set", "checkpoint.interval=2", "--set", "eval.passkey_lengths=[]",
+            "--set", "metrics.port=null"]
+
+
+def _steps(run_dir: Path) -> list[int]:
+    path = run_dir / "steps.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_submit_status_logs_stop_and_resume(ray_head: str, tmp_path: Path) -> None:
+    address = ["--address", ray_head]
+
+    # A job runs to completion; `logs --follow` streams it until it ends.
+    first_dir = tmp_path / "first"
+    submitted = _ok(_ringray("submit", "jobs/quickstart.yaml", *address, "--steps", "4",
+                             *_small("sub-first"), "--run-dir", str(first_dir), "--json"))
+    first = json.loads(submitted.stdout)["submission_id"]
+    followed = _ok(_ringray("logs", first, "--follow", *address))
+    assert "job 'sub-first' finished at step 4/4" in followed.stdout
+    assert f"{first}: SUCCEEDED" in followed.stderr
+    status = json.loads(_ok(_ringray("status", first, *address, "--json")).stdout)
+    assert status["status"] == "SUCCEEDED" and status["job_name"] == "sub-first"
+    assert status["run_dir"] == str(first_dir)
+    assert _steps(first_dir) == [1, 2, 3, 4]
+
+    # A second one is stopped: it checkpoints the step it reached, then stops.
+    second_dir = tmp_path / "second"
+    second = _ok(_ringray("submit", "jobs/quickstart.yaml", *address, "--steps", "100000",
+                          *_small("sub-second"), "--run-dir", str(second_dir))).stdout.strip()
+    deadline = time.monotonic() + 180
+    while len(_steps(second_dir)) < 3:
+        assert time.monotonic() < deadline, _ringray("logs", second, *address).stdout[-3000:]
+        time.sleep(0.5)
+    stopped = _ok(_ringray("stop", second, *address))
+    assert f"{second}: STOPPED" in stopped.stderr
+    reached = _steps(second_dir)[-1]
+    assert (second_dir / "checkpoints" / f"step_{reached:08d}").is_dir()
+    assert "stopping: checkpoint at the next step boundary" in _ringray(
+        "logs", second, *address).stdout
+
+    # `resume` submits it again; it continues from that checkpoint.
+    resumed = _ok(_ringray("resume", second, *address, "--steps", str(reached + 2)))
+    third = resumed.stdout.strip()
+    followed = _ok(_ringray("logs", third, "--follow", *address))
+    assert f"at step {reached}, restored" in followed.stdout
+    assert f"finished at step {reached + 2}/{reached + 2}" in followed.stdout
+    assert _steps(second_dir) == list(range(1, reached + 3))
+
+    listed = json.loads(_ok(_ringray("list", *address, "--json")).stdout)
+    assert {s["submission_id"]: s["status"] for s in listed} == {
+        first: "SUCCEEDED", second: "STOPPED", third: "SUCCEEDED"}
+
+
+def test_job_commands_fail_in_one_line(ray_head: str) -> None:
+    unknown = _ringray("status", "no-such-job", "--address", ray_head)
+    assert unknown.returncode == 2 and "no-such-job" in unknown.stderr
+    assert "Traceback" not in unknown.stderr
+    unreachable = _ringray("list", "--address", f"http://127.0.0.1:{free_loopback_port()}")
+    assert unreachable.returncode == 2 and "--address" in unreachable.stderr
+    assert "Traceback" not in unreachable.stderr
+    bad_spec = _ringray("submit", "jobs/quickstart.yaml", "--address", ray_head,
+                        "--set", "parallel.cp=3")
+    assert bad_spec.returncode == 2 and "train.seq_len" in bad_spec.stderr
