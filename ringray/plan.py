@@ -1,0 +1,589 @@
+"""Will a job fit its cluster, and can its ring hide communication? (``ringray plan``)
+
+    cluster = parse_cluster("4x8xH100")              # or custom_cluster(tflops=..., ...)
+    report = plan_job(load_job_spec("jobs/llama-8b-1m-64xh100.yaml"), cluster)
+    print(report.format())                           # report.to_dict() for --json
+    report.fits                                      # the verdict
+
+Pure arithmetic over the job spec (no devices, no tensors). The accounting follows what this
+project's trainer (:mod:`ringray.train.trainer`) actually allocates, term by term:
+
+- **Weights, gradients, optimizer.** The trainer keeps float32 weights and float32 gradients,
+  and ``torch.optim.AdamW`` two float32 moments: 4 + 4 + 8 bytes per parameter. With bf16
+  (``precision: bf16``, or ``auto`` on a GPU) it autocasts: every weight matrix that a
+  matmul uses gets a bf16 copy, cached by autocast and saved for the backward, so +2 bytes
+  per matmul parameter. Nothing is sharded: weights and optimizer state are replicated over
+  DP and CP, so no cp degree makes them smaller.
+- **Step transients.** After the backward (when the activations are freed) the gradient
+  all-reduce packs every gradient into one flat float32 buffer, and AdamW's foreach update
+  allocates a float32 temporary of the same size: 4 bytes per parameter, counted against
+  the activations (the larger of the two is the peak), not on top of them.
+- **Activations**: :func:`layer_activation_bytes_per_token` and
+  :func:`head_activation_bytes_per_token` (the formula, and where each term comes from).
+- **Ring buffers**: :func:`ring_buffer_bytes_per_token` (counted from
+  :mod:`ringray.attention.ring`).
+- **Overlap**: :func:`overlap_threshold_tokens` (the ``c >= F/B`` rule, derived there).
+
+A planning margin (:data:`MEMORY_RESERVE_RATIO` of device memory) is kept for the CUDA
+context, NCCL's buffers, kernel workspaces and allocator fragmentation, which the terms above
+do not count. It is a judgement, not a measurement.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass, replace
+
+from ringray.attention.layouts import seq_len_divisor
+from ringray.config import JobSpec
+from ringray.model import ModelConfig
+
+GIB = 2**30
+MEMORY_RESERVE_RATIO = 0.10
+"""Share of device memory left for what the accounting does not count (see module doc)."""
+
+
+class PlanError(ValueError):
+    """A cluster description or job that cannot be planned; the message names the flag."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Accelerator:
+    """One device: memory, dense bf16 peak, and one direction of its links."""
+
+    name: str
+    memory_bytes: int
+    peak_flops: float  # dense (no sparsity) bf16 tensor-core FLOP/s
+    intra_node_bytes_per_second: float  # NVLink, one direction (what a ring send gets)
+    inter_node_bytes_per_second: float  # this GPU's own NIC, one direction
+
+
+# Memory is the datasheet's "80GB"/"141GB" read as GiB (HBM stacks are binary-sized; nvidia-smi
+# shows a little less, e.g. 81559 MiB on an H100 SXM, which the reserve covers). NVLink
+# figures on the datasheets are both directions together; a ring sends one way, so half.
+ACCELERATORS: dict[str, Accelerator] = {
+    # NVIDIA H100 Tensor Core GPU datasheet (SXM column): 80GB HBM3, BF16 1,979 TFLOPS with
+    # sparsity (989 dense), NVLink 900GB/s. InfiniBand: NVIDIA DGX H100 datasheet, 8x ConnectX-7
+    # NDR 400Gb/s, one per GPU.
+    "H100": Accelerator(name="H100", memory_bytes=80 * GIB, peak_flops=989e12,
+                        intra_node_bytes_per_second=450e9, inter_node_bytes_per_second=400e9 / 8),
+    # NVIDIA H200 Tensor Core GPU datasheet (SXM column): 141GB HBM3e, BF16 1,979 TFLOPS with
+    # sparsity (989 dense), NVLink 900GB/s. InfiniBand: as the DGX H100 (NVIDIA DGX H200
+    # datasheet: 8x ConnectX-7 400Gb/s).
+    "H200": Accelerator(name="H200", memory_bytes=141 * GIB, peak_flops=989e12,
+                        intra_node_bytes_per_second=450e9, inter_node_bytes_per_second=400e9 / 8),
+    # NVIDIA A100 Tensor Core GPU datasheet (80GB SXM column): BF16 312 TFLOPS dense (624 with
+    # sparsity), NVLink 600GB/s. InfiniBand: NVIDIA DGX A100 datasheet, 8x ConnectX-6 HDR
+    # 200Gb/s, one per GPU.
+    "A100": Accelerator(name="A100", memory_bytes=80 * GIB, peak_flops=312e12,
+                        intra_node_bytes_per_second=300e9, inter_node_bytes_per_second=200e9 / 8),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterShape:
+    """Nodes of identical accelerators; ``nodes``/``gpus_per_node`` are None for a custom
+    device given by its figures alone (one link speed everywhere, no size limit)."""
+
+    accelerator: Accelerator
+    nodes: int | None = None
+    gpus_per_node: int | None = None
+
+    @property
+    def total_devices(self) -> int | None:
+        return None if self.nodes is None else self.nodes * self.gpus_per_node
+
+    def describe(self) -> str:
+        if self.nodes is None:
+            return "a custom device"
+        return f"{self.nodes}x{self.gpus_per_node}x{self.accelerator.name}"
+
+    def ring_link(self, cp: int) -> tuple[str, float]:
+        """The slowest link a ring of ``cp`` consecutive ranks crosses, and its bytes/s.
+
+        Placement packs a ring onto as few nodes as possible; once it spans nodes, every ring
+        step waits for the inter-node hop.
+        """
+        acc = self.accelerator
+        if self.gpus_per_node is None:
+            return "custom link", acc.intra_node_bytes_per_second
+        if cp <= self.gpus_per_node:
+            return "NVLink", acc.intra_node_bytes_per_second
+        return "InfiniBand", acc.inter_node_bytes_per_second
+
+
+_CLUSTER_FORM = "NODESxGPUSxACCELERATOR, e.g. 4x8xH100"
+
+
+def parse_cluster(text: str) -> ClusterShape:
+    """``4x8xH100``: 4 nodes of 8 H100s (NVLink inside a node, InfiniBand between)."""
+    match = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*x\s*([A-Za-z0-9]+)\s*", text)
+    if not match:
+        raise PlanError(f"--cluster: {text!r} is not of the form {_CLUSTER_FORM}")
+    nodes, gpus, name = int(match[1]), int(match[2]), match[3].upper()
+    if nodes < 1 or gpus < 1:
+        raise PlanError(f"--cluster: {text!r} needs at least 1 node and 1 GPU per node")
+    if name not in ACCELERATORS:
+        raise PlanError(f"--cluster: unknown accelerator {match[3]!r}; known: "
+                        f"{', '.join(ACCELERATORS)} (or give --gpu-tflops, --link-gbps and "
+                        f"--gpu-mem-gib)")
+    return ClusterShape(accelerator=ACCELERATORS[name], nodes=nodes, gpus_per_node=gpus)
+
+
+def custom_cluster(*, tflops: float, link_gbps: float, memory_gib: float) -> ClusterShape:
+    """A device given by its dense peak (TFLOP/s), ring link (Gb/s, one way) and memory (GiB)."""
+    for flag, value in (("--gpu-tflops", tflops), ("--link-gbps", link_gbps),
+                        ("--gpu-mem-gib", memory_gib)):
+        if not value > 0:
+            raise PlanError(f"{flag}: must be > 0, got {value}")
+    link = link_gbps * 1e9 / 8
+    device = Accelerator(
+        name="custom",
+        memory_bytes=int(memory_gib * GIB), peak_flops=tflops * 1e12,
+        intra_node_bytes_per_second=link, inter_node_bytes_per_second=link,
+    )
+    return ClusterShape(accelerator=device)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanInputs:
+    """What the plan reads from a job spec, with the mesh and precision resolved."""
+
+    name: str
+    model: ModelConfig
+    seq_len: int
+    global_batch: int
+    dp: int
+    cp: int
+    layout: str
+    bf16: bool  # bf16 autocast over float32 weights (the trainer's GPU default); else fp32
+    activation_checkpointing: bool
+
+    @property
+    def local_batch(self) -> int:
+        return self.global_batch // self.dp
+
+    @property
+    def block_tokens(self) -> int:
+        """Tokens of one sequence on one rank: the K/V block a ring step sends."""
+        return self.seq_len // self.cp
+
+    @property
+    def activation_dtype_bytes(self) -> int:
+        return 2 if self.bf16 else 4
+
+    @classmethod
+    def from_spec(cls, spec: JobSpec, cluster: ClusterShape) -> PlanInputs:
+        """Resolve dp/cp (one may be null: inferred from the cluster's size) and precision
+        (``auto`` is bf16: the plan is for accelerators)."""
+        dp, cp, total = spec.parallel.dp, spec.parallel.cp, cluster.total_devices
+        if dp is None or cp is None:
+            missing, known = ("cp", "dp") if cp is None else ("dp", "cp")
+            known_value = dp if cp is None else cp
+            if total is None or known_value is None or total % known_value:
+                why = ("a custom device has no cluster size" if total is None else
+                       f"parallel.{known} is null too" if known_value is None else
+                       f"{total} devices do not split by parallel.{known}={known_value}")
+                raise PlanError(f"parallel.{missing}: null, and it cannot be inferred ({why}); "
+                                f"give a number, e.g. --set parallel.{missing}=8")
+            dp, cp = (dp, total // dp) if cp is None else (total // cp, cp)
+        return cls(
+            name=spec.name, model=spec.model.build(), seq_len=spec.train.seq_len,
+            global_batch=spec.train.global_batch, dp=dp, cp=cp, layout=spec.parallel.layout,
+            bf16=spec.train.precision != "fp32",
+            activation_checkpointing=spec.train.activation_checkpointing,
+        )
+
+
+# ------------------------------------------------------------------------------ formulas
+
+
+def layer_activation_bytes_per_token(cfg: ModelConfig, *, bf16: bool) -> int:
+    """Bytes one decoder block saves for its backward, per token (``d`` = dim, ``h``/``k`` =
+    query/kv heads, ``e`` = head_dim, ``f`` = ffn_hidden, ``a`` = 2 with bf16 autocast, 4 in
+    fp32). The residual stream is float32 (float32 weights; bf16 outputs add into it)::
+
+        norms      2 x (4d + 4d + 4)   each RMSNorm saves its float32 input, its normalised
+                                       output (for the gain's gradient) and 1/rms per token
+        q/k/v in   3ad (bf16) | 4d     autocast casts the norm output once per projection
+                                       and each matmul saves its own bf16 copy; in fp32 the
+                                       three share one tensor
+        w1/w3 in   2ad (bf16) | 4d     the same for the two SwiGLU input projections
+        attention  2ahe + 4h + 2ake    ring attention saves q and its output (the o
+                                       projection's input is that same tensor), the float32
+                                       LSE per query head, and the last K/V block it held
+        SwiGLU     4af                 w1 out (SiLU's input), SiLU out, w3 out, and their
+                                       product (w2's input)
+
+    Rotary embeddings save only the shared cos/sin tables (the head's term): a product with
+    a constant keeps the constant, not the activation. ``tests/test_job_plan.py`` checks
+    this count against the tensors autograd actually saves.
+    """
+    d, h, k, e, f = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden
+    a = 2 if bf16 else 4
+    norms = 2 * (4 * d + 4 * d + 4)
+    projection_inputs = (3 * a * d + 2 * a * d) if bf16 else (4 * d + 4 * d)
+    attention = 2 * a * h * e + 4 * h + 2 * a * k * e
+    swiglu = 4 * a * f
+    return norms + projection_inputs + attention + swiglu
+
+
+def head_activation_bytes_per_token(cfg: ModelConfig, *, bf16: bool) -> int:
+    """Bytes outside the blocks, per token::
+
+        final norm   4d + 4d + 4        as in a block
+        output in    ad                 the output projection's (bf16) input
+        logits       aV + 4V            the logits the training step holds, and the float32
+                                        log-softmax the cross-entropy saves
+        rotary       8e                 float32 cos and sin tables, shared by every layer
+        tokens       16                 int64 inputs (embedding) and labels (loss)
+    """
+    d, e, v = cfg.dim, cfg.head_dim, cfg.vocab_size
+    a = 2 if bf16 else 4
+    return (4 * d + 4 * d + 4) + a * d + (a * v + 4 * v) + 8 * e + 16
+
+
+def activation_bytes_per_token(cfg: ModelConfig, *, bf16: bool, checkpointing: bool) -> int:
+    """Saved activations per local token over the whole model. With activation
+    checkpointing each block keeps only its float32 input (4d) and one block at a time is
+    recomputed with all its activations during the backward."""
+    layer = layer_activation_bytes_per_token(cfg, bf16=bf16)
+    head = head_activation_bytes_per_token(cfg, bf16=bf16)
+    if checkpointing:
+        return cfg.n_layers * 4 * cfg.dim + layer + head
+    return cfg.n_layers * layer + head
+
+
+def ring_buffer_bytes_per_token(cfg: ModelConfig, *, cp: int, bf16: bool) -> int:
+    """Buffers one ring-attention call allocates beyond what it saves, per local token
+    (only one layer's ring runs at a time), counted from :mod:`ringray.attention.ring`;
+    a K/V block is ``2ke`` elements per token::
+
+        forward   kv_incoming (a)                 + out accumulator (float32, 4he)
+        backward  kv_spare x 2 (a)                + dkv_partial, dkv_done, dkv_incoming
+                                                    (float32 K/V gradient sums, x 3)
+                                                  + dq accumulator (float32, 4he)
+
+    The current block is the one saved by the forward (an activation). With cp = 1 there is
+    no incoming block, no spare and only ``dkv_partial``. The larger phase (the backward)
+    is the figure.
+    """
+    h, k, e = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    a = 2 if bf16 else 4
+    kv_block = 2 * k * e
+    ring = cp > 1
+    forward = (kv_block * a if ring else 0) + 4 * h * e
+    backward = (2 * kv_block * a if ring else 0) + (3 if ring else 1) * kv_block * 4 + 4 * h * e
+    return max(forward, backward)
+
+
+def overlap_threshold_tokens(
+    cfg: ModelConfig, *, peak_flops: float, link_bytes_per_second: float, bf16: bool,
+    causal: bool = True,
+) -> tuple[float, float]:
+    """The smallest block (tokens of one sequence per rank) whose ring step hides its
+    transfer, for the forward and the backward pass.
+
+    A step attends the rank's ``c`` queries to an incoming ``c``-token block. With
+    ``F`` = peak FLOP/s and ``B`` = link bytes/s (one direction)::
+
+        forward   compute = r * 4 c^2 e h   (QK^T and PV: 2 c^2 e FLOPs each, per head)
+                  transfer = 2 c k e a      (K and V at the kv-head count)
+                  c >= (F / B) * k a / (2 r h)
+        backward  compute = 2.5 x forward  (5 matmuls: recomputed QK^T, dV, dP, dQ, dK)
+                  transfer = 2 c k e (a + 4) (the K/V block and its float32 dK/dV sum)
+                  c >= (F / B) * k (a + 4) / (5 r h)
+
+    ``r`` is the share of a block's (query, key) pairs that a step computes: 1 for full
+    attention, 1/2 for causal attention under a balanced layout (zigzag and striped give
+    every rank half of every other rank's block). For multi-head attention in bf16 the
+    forward rule is Ring Attention's ``c >= F/B`` (Liu, Zaharia and Abbeel, 2023) for full
+    attention and ``c >= 2F/B`` for causal. ``F`` is the dense peak: a kernel below peak
+    makes compute longer and the real threshold lower, so this one is conservative.
+    """
+    h, k = cfg.n_heads, cfg.n_kv_heads
+    a = 2 if bf16 else 4
+    share = 0.5 if causal else 1.0
+    ratio = peak_flops / link_bytes_per_second
+    forward = ratio * k * a / (2 * share * h)
+    backward = ratio * k * (a + 4) / (5 * share * h)
+    return forward, backward
+
+
+def _matmul_params(cfg: ModelConfig) -> int:
+    """Parameters autocast casts to bf16: every linear layer (not norms, not the embedding)."""
+    attn = cfg.dim * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+    return cfg.n_layers * (attn + 3 * cfg.dim * cfg.ffn_hidden) + cfg.vocab_size * cfg.dim
+
+
+# ------------------------------------------------------------------------------ the report
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryBreakdown:
+    """Bytes per device. ``peak = weights + gradients + optimizer + max(activations +
+    ring_buffers, step_transient)``: the step transients come after the backward."""
+
+    weights_bytes: int
+    gradients_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int
+    ring_buffers_bytes: int
+    step_transient_bytes: int
+    peak_bytes: int
+    usable_bytes: int
+
+    @property
+    def static_bytes(self) -> int:
+        return self.weights_bytes + self.gradients_bytes + self.optimizer_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.usable_bytes
+
+
+def memory_breakdown(inputs: PlanInputs, device: Accelerator, *, cp: int | None = None
+                     ) -> MemoryBreakdown:
+    """Per-device memory of ``inputs`` on ``device`` (at ring size ``cp``, default the job's)."""
+    cp = cp or inputs.cp
+    cfg, bf16 = inputs.model, inputs.bf16
+    params = cfg.num_params()
+    local_tokens = inputs.local_batch * (inputs.seq_len // cp)
+    weights = 4 * params + (2 * _matmul_params(cfg) if bf16 else 0)
+    activations = local_tokens * activation_bytes_per_token(
+        cfg, bf16=bf16, checkpointing=inputs.activation_checkpointing)
+    ring = local_tokens * ring_buffer_bytes_per_token(cfg, cp=cp, bf16=bf16)
+    transient = 4 * params
+    static = weights + 4 * params + 8 * params
+    return MemoryBreakdown(
+        weights_bytes=weights, gradients_bytes=4 * params, optimizer_bytes=8 * params,
+        activations_bytes=activations, ring_buffers_bytes=ring, step_transient_bytes=transient,
+        peak_bytes=static + max(activations + ring, transient),
+        usable_bytes=int(device.memory_bytes * (1 - MEMORY_RESERVE_RATIO)),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class OverlapCheck:
+    """Can a ring step hide its transfer behind its attention compute?"""
+
+    ring_size: int
+    link: str
+    link_bytes_per_second: float
+    peak_flops: float
+    block_tokens: int
+    forward_threshold_tokens: float
+    backward_threshold_tokens: float
+    forward_compute_seconds: float  # one ring step of one layer, this rank's whole batch
+    forward_transfer_seconds: float
+
+    @property
+    def threshold_tokens(self) -> int:
+        return math.ceil(max(self.forward_threshold_tokens, self.backward_threshold_tokens))
+
+    @property
+    def hidden(self) -> bool:
+        """True when every ring step's transfer fits under its compute (cp 1: no ring)."""
+        return self.ring_size == 1 or self.block_tokens >= self.threshold_tokens
+
+
+def overlap_check(inputs: PlanInputs, cluster: ClusterShape, *, cp: int | None = None
+                  ) -> OverlapCheck:
+    """The overlap rule at ring size ``cp`` (default the job's) on the ring's slowest link."""
+    cp = cp or inputs.cp
+    cfg, device = inputs.model, cluster.accelerator
+    link, link_rate = cluster.ring_link(cp)
+    forward, backward = overlap_threshold_tokens(
+        cfg, peak_flops=device.peak_flops, link_bytes_per_second=link_rate, bf16=inputs.bf16)
+    block, batch = inputs.seq_len // cp, inputs.local_batch
+    compute = batch * 0.5 * 4 * block**2 * cfg.head_dim * cfg.n_heads / device.peak_flops
+    transfer = batch * 2 * block * cfg.n_kv_heads * cfg.head_dim * inputs.activation_dtype_bytes
+    return OverlapCheck(
+        ring_size=cp, link=link, link_bytes_per_second=link_rate, peak_flops=device.peak_flops,
+        block_tokens=block, forward_threshold_tokens=forward,
+        backward_threshold_tokens=backward, forward_compute_seconds=compute,
+        forward_transfer_seconds=transfer / link_rate,
+    )
+
+
+def _layout_note(layout: str, cp: int) -> str:
+    if layout == "contiguous" and cp > 1:
+        return (f"contiguous is unbalanced under causal attention: the last rank does "
+                f"{(2 * cp - 1) / cp:.2f}x the mean work and rank 0 idles after its own block; "
+                f"use zigzag")
+    if layout == "striped":
+        return "striped is as balanced as zigzag (every rank computes half of each block)"
+    return "zigzag: every rank computes half of each block (balanced under causal attention)"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanReport:
+    """The plan of one job on one cluster; :meth:`format` for people, :meth:`to_dict` for
+    machines."""
+
+    inputs: PlanInputs
+    cluster: ClusterShape
+    memory: MemoryBreakdown
+    overlap: OverlapCheck
+    devices_needed: int
+    recommended_cp: int | None
+    recommended_layout: str
+    layout_note: str
+    fits: bool
+    reasons: tuple[str, ...]  # why it does not fit (empty when it fits)
+
+    @property
+    def verdict(self) -> str:
+        if self.fits:
+            mem = self.memory
+            return (f"fits: {mem.peak_bytes / GIB:.1f} GiB of {mem.usable_bytes / GIB:.1f} GiB "
+                    f"usable per device")
+        return "does not fit: " + "; ".join(self.reasons)
+
+    def to_dict(self) -> dict:
+        inputs = asdict(self.inputs)
+        inputs["model"] = {"num_params": self.inputs.model.num_params(), **inputs["model"]}
+        inputs.update(local_batch=self.inputs.local_batch, block_tokens=self.inputs.block_tokens)
+        return {
+            "job": inputs,
+            "cluster": {"description": self.cluster.describe(), "nodes": self.cluster.nodes,
+                        "gpus_per_node": self.cluster.gpus_per_node,
+                        **asdict(self.cluster.accelerator)},
+            "memory": {**asdict(self.memory), "static_bytes": self.memory.static_bytes},
+            "overlap": {**asdict(self.overlap), "threshold_tokens": self.overlap.threshold_tokens,
+                        "hidden": self.overlap.hidden},
+            "devices_needed": self.devices_needed,
+            "recommended_cp": self.recommended_cp,
+            "recommended_layout": self.recommended_layout,
+            "layout_note": self.layout_note,
+            "fits": self.fits,
+            "reasons": list(self.reasons),
+            "verdict": self.verdict,
+        }
+
+    def format(self) -> str:
+        """A plain-text report (no colour, no box drawing): what a terminal or a log shows."""
+        i, c = self.inputs, self.cluster
+        cfg, acc = i.model, c.accelerator
+        params = cfg.num_params()
+        size = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.2f}M"
+        precision = "bf16 autocast over fp32 weights" if i.bf16 else "fp32"
+        checkpointing = "on" if i.activation_checkpointing else "off"
+        if self.recommended_cp is None:
+            recommended = f"no cp fits (layout {self.recommended_layout})"
+        else:
+            recommended = f"cp {self.recommended_cp}, layout {self.recommended_layout}"
+        return "\n".join([
+            f"job {i.name!r} on {c.describe()}: {acc.peak_flops / 1e12:g} TFLOP/s bf16, "
+            f"{acc.memory_bytes / GIB:g} GiB per device",
+            f"model: {size} parameters, {cfg.n_layers} layers, dim {cfg.dim}, heads "
+            f"{cfg.n_heads}/{cfg.n_kv_heads}, ffn {cfg.ffn_hidden}",
+            f"mesh: dp {i.dp} x cp {i.cp} ({i.layout}) = {self.devices_needed} devices; seq "
+            f"{i.seq_len}; per device {i.local_batch} sequence(s) x {i.block_tokens} tokens",
+            f"precision: {precision}; activation checkpointing {checkpointing}",
+            "",
+            *self._memory_lines(),
+            "",
+            *self._overlap_lines(),
+            "",
+            f"recommended: {recommended}",
+            f"  {self.layout_note}",
+            "",
+            f"verdict: {self.verdict}",
+        ])
+
+    def _memory_lines(self) -> list[str]:
+        m, acc, bf16 = self.memory, self.cluster.accelerator, self.inputs.bf16
+        rows = [
+            ("weights (fp32" + (" + bf16 autocast copies)" if bf16 else ")"), m.weights_bytes),
+            ("gradients (fp32)", m.gradients_bytes),
+            ("AdamW moments (fp32 x 2)", m.optimizer_bytes),
+            ("activations", m.activations_bytes),
+            ("ring buffers (one layer, backward)", m.ring_buffers_bytes),
+            ("step transient (after backward; not added)", m.step_transient_bytes),
+            ("peak", m.peak_bytes),
+            (f"usable ({acc.memory_bytes / GIB:g} GiB less {MEMORY_RESERVE_RATIO:.0%} reserve)",
+             m.usable_bytes),
+        ]
+        return [f"{'memory per device':<46}{'GiB':>7}"] + [
+            f"  {label:<44}{value / GIB:>7.2f}" for label, value in rows
+        ]
+
+    def _overlap_lines(self) -> list[str]:
+        o, layout = self.overlap, self.inputs.layout
+        if o.ring_size == 1:
+            return ["ring overlap: cp 1, no ring (nothing to send, nothing to hide)"]
+        chunks = f" (2 zigzag chunks of {o.block_tokens // 2})" if layout == "zigzag" else ""
+        return [
+            f"ring overlap ({o.link}, {o.link_bytes_per_second / 1e9:g} GB/s one way, "
+            f"{o.peak_flops / 1e12:g} TFLOP/s)",
+            f"  threshold block   {o.threshold_tokens} tokens (forward "
+            f"{math.ceil(o.forward_threshold_tokens)}, backward "
+            f"{math.ceil(o.backward_threshold_tokens)}: c >= F/B x constant)",
+            f"  this job's block  {o.block_tokens} tokens per rank{chunks}: communication "
+            + ("hidden" if o.hidden else "exposed"),
+            f"  forward step      {o.forward_compute_seconds * 1e3:.3g} ms compute at peak, "
+            f"{o.forward_transfer_seconds * 1e3:.3g} ms transfer (one layer)",
+        ]
+
+
+def _candidate_cps(inputs: PlanInputs, cluster: ClusterShape, layout: str) -> list[int]:
+    """Ring sizes the layout can split the sequence over, within the cluster (ascending)."""
+    total = cluster.total_devices
+    limit = inputs.seq_len if total is None else total // inputs.dp
+    divisors = {n for d in range(1, math.isqrt(inputs.seq_len) + 1) if inputs.seq_len % d == 0
+                for n in (d, inputs.seq_len // d)}
+    return sorted(cp for cp in divisors
+                  if cp <= limit and inputs.seq_len % seq_len_divisor(layout, cp) == 0)
+
+
+def recommend_cp(inputs: PlanInputs, cluster: ClusterShape, layout: str) -> int | None:
+    """The smallest ring that fits memory, preferring one whose block meets the overlap
+    threshold. A larger cp only shrinks the block (and may cross nodes onto a slower link),
+    so when the smallest fitting cp misses the threshold, every larger one does too; it is
+    still the best choice, with communication exposed. None when no cp fits."""
+    fitting = [cp for cp in _candidate_cps(inputs, cluster, layout)
+               if memory_breakdown(inputs, cluster.accelerator, cp=cp).fits]
+    hidden = [cp for cp in fitting if overlap_check(inputs, cluster, cp=cp).hidden]
+    return (hidden or fitting or [None])[0]
+
+
+def plan(inputs: PlanInputs, cluster: ClusterShape) -> PlanReport:
+    """Memory, overlap, recommendation and verdict of ``inputs`` on ``cluster``."""
+    memory = memory_breakdown(inputs, cluster.accelerator)
+    devices_needed = inputs.dp * inputs.cp
+    reasons = []
+    if cluster.total_devices is not None and devices_needed > cluster.total_devices:
+        reasons.append(f"dp {inputs.dp} x cp {inputs.cp} = {devices_needed} devices, the "
+                       f"cluster has {cluster.total_devices}")
+    if memory.static_bytes > memory.usable_bytes:
+        reasons.append(
+            f"weights, gradients and AdamW state alone need {memory.static_bytes / GIB:.1f} GiB "
+            f"per device, {(memory.static_bytes - memory.usable_bytes) / GIB:.1f} GiB over the "
+            f"{memory.usable_bytes / GIB:.1f} GiB usable; this trainer replicates them on every "
+            f"device (no sharding), so no cp helps")
+    elif not memory.fits:
+        over = memory.peak_bytes - memory.usable_bytes
+        hint = ""
+        if not inputs.activation_checkpointing:
+            checkpointed = replace(inputs, activation_checkpointing=True)
+            peak = memory_breakdown(checkpointed, cluster.accelerator).peak_bytes
+            hint = f"; activation checkpointing would make the peak {peak / GIB:.1f} GiB"
+        reasons.append(
+            f"peak {memory.peak_bytes / GIB:.1f} GiB per device is {over / GIB:.1f} GiB over "
+            f"the {memory.usable_bytes / GIB:.1f} GiB usable: activations take "
+            f"{memory.activations_bytes / GIB:.1f} GiB at {inputs.block_tokens} tokens per rank"
+            f"{hint}")
+    layout = inputs.layout if inputs.layout in ("zigzag", "striped") else "zigzag"
+    return PlanReport(
+        inputs=inputs, cluster=cluster, memory=memory, overlap=overlap_check(inputs, cluster),
+        devices_needed=devices_needed, recommended_cp=recommend_cp(inputs, cluster, layout),
+        recommended_layout=layout, layout_note=_layout_note(inputs.layout, inputs.cp),
+        fits=not reasons, reasons=tuple(reasons),
+    )
+
+
+def plan_job(spec: JobSpec, cluster: ClusterShape) -> PlanReport:
+    """:func:`plan` for a validated job spec."""
+    return plan(PlanInputs.from_spec(spec, cluster), cluster)
