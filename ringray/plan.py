@@ -1,6 +1,6 @@
 """Will a job fit its cluster, and can its ring hide communication? (``ringray plan``)
 
-    cluster = parse_cluster("4x8xH100")              # or custom_cluster(tflops=..., ...)
+    cluster = parse_cluster("4x8xH100")              # ringray.accelerators; or custom_cluster
     report = plan_job(load_job_spec("jobs/llama-8b-1m-64xh100.yaml"), cluster)
     print(report.format())                           # report.to_dict() for --json
     report.fits                                      # the verdict
@@ -32,118 +32,23 @@ do not count. It is a judgement, not a measurement.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import asdict, dataclass, replace
 
+from ringray.accelerators import (  # noqa: F401 - ACCELERATORS and parse_cluster re-exported
+    ACCELERATORS,
+    GIB,
+    Accelerator,
+    ClusterShape,
+    PlanError,
+    custom_cluster,
+    parse_cluster,
+)
 from ringray.attention.layouts import seq_len_divisor
 from ringray.config import JobSpec
 from ringray.model import ModelConfig
 
-GIB = 2**30
 MEMORY_RESERVE_RATIO = 0.10
 """Share of device memory left for what the accounting does not count (see module doc)."""
-
-
-class PlanError(ValueError):
-    """A cluster description or job that cannot be planned; the message names the flag."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Accelerator:
-    """One device: memory, dense bf16 peak, and one direction of its links."""
-
-    name: str
-    memory_bytes: int
-    peak_flops: float  # dense (no sparsity) bf16 tensor-core FLOP/s
-    intra_node_bytes_per_second: float  # NVLink, one direction (what a ring send gets)
-    inter_node_bytes_per_second: float  # this GPU's own NIC, one direction
-
-
-# Memory is the datasheet's "80GB"/"141GB" read as GiB (HBM stacks are binary-sized; nvidia-smi
-# shows a little less, e.g. 81559 MiB on an H100 SXM, which the reserve covers). NVLink
-# figures on the datasheets are both directions together; a ring sends one way, so half.
-ACCELERATORS: dict[str, Accelerator] = {
-    # NVIDIA H100 Tensor Core GPU datasheet (SXM column): 80GB HBM3, BF16 1,979 TFLOPS with
-    # sparsity (989 dense), NVLink 900GB/s. InfiniBand: NVIDIA DGX H100 datasheet, 8x ConnectX-7
-    # NDR 400Gb/s, one per GPU.
-    "H100": Accelerator(name="H100", memory_bytes=80 * GIB, peak_flops=989e12,
-                        intra_node_bytes_per_second=450e9, inter_node_bytes_per_second=400e9 / 8),
-    # NVIDIA H200 Tensor Core GPU datasheet (SXM column): 141GB HBM3e, BF16 1,979 TFLOPS with
-    # sparsity (989 dense), NVLink 900GB/s. InfiniBand: as the DGX H100 (NVIDIA DGX H200
-    # datasheet: 8x ConnectX-7 400Gb/s).
-    "H200": Accelerator(name="H200", memory_bytes=141 * GIB, peak_flops=989e12,
-                        intra_node_bytes_per_second=450e9, inter_node_bytes_per_second=400e9 / 8),
-    # NVIDIA A100 Tensor Core GPU datasheet (80GB SXM column): BF16 312 TFLOPS dense (624 with
-    # sparsity), NVLink 600GB/s. InfiniBand: NVIDIA DGX A100 datasheet, 8x ConnectX-6 HDR
-    # 200Gb/s, one per GPU.
-    "A100": Accelerator(name="A100", memory_bytes=80 * GIB, peak_flops=312e12,
-                        intra_node_bytes_per_second=300e9, inter_node_bytes_per_second=200e9 / 8),
-}
-
-
-@dataclass(frozen=True, kw_only=True)
-class ClusterShape:
-    """Nodes of identical accelerators; ``nodes``/``gpus_per_node`` are None for a custom
-    device given by its figures alone (one link speed everywhere, no size limit)."""
-
-    accelerator: Accelerator
-    nodes: int | None = None
-    gpus_per_node: int | None = None
-
-    @property
-    def total_devices(self) -> int | None:
-        return None if self.nodes is None else self.nodes * self.gpus_per_node
-
-    def describe(self) -> str:
-        if self.nodes is None:
-            return "a custom device"
-        return f"{self.nodes}x{self.gpus_per_node}x{self.accelerator.name}"
-
-    def ring_link(self, cp: int) -> tuple[str, float]:
-        """The slowest link a ring of ``cp`` consecutive ranks crosses, and its bytes/s.
-
-        Placement packs a ring onto as few nodes as possible; once it spans nodes, every ring
-        step waits for the inter-node hop.
-        """
-        acc = self.accelerator
-        if self.gpus_per_node is None:
-            return "custom link", acc.intra_node_bytes_per_second
-        if cp <= self.gpus_per_node:
-            return "NVLink", acc.intra_node_bytes_per_second
-        return "InfiniBand", acc.inter_node_bytes_per_second
-
-
-_CLUSTER_FORM = "NODESxGPUSxACCELERATOR, e.g. 4x8xH100"
-
-
-def parse_cluster(text: str) -> ClusterShape:
-    """``4x8xH100``: 4 nodes of 8 H100s (NVLink inside a node, InfiniBand between)."""
-    match = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*x\s*([A-Za-z0-9]+)\s*", text)
-    if not match:
-        raise PlanError(f"--cluster: {text!r} is not of the form {_CLUSTER_FORM}")
-    nodes, gpus, name = int(match[1]), int(match[2]), match[3].upper()
-    if nodes < 1 or gpus < 1:
-        raise PlanError(f"--cluster: {text!r} needs at least 1 node and 1 GPU per node")
-    if name not in ACCELERATORS:
-        raise PlanError(f"--cluster: unknown accelerator {match[3]!r}; known: "
-                        f"{', '.join(ACCELERATORS)} (or give --gpu-tflops, --link-gbps and "
-                        f"--gpu-mem-gib)")
-    return ClusterShape(accelerator=ACCELERATORS[name], nodes=nodes, gpus_per_node=gpus)
-
-
-def custom_cluster(*, tflops: float, link_gbps: float, memory_gib: float) -> ClusterShape:
-    """A device given by its dense peak (TFLOP/s), ring link (Gb/s, one way) and memory (GiB)."""
-    for flag, value in (("--gpu-tflops", tflops), ("--link-gbps", link_gbps),
-                        ("--gpu-mem-gib", memory_gib)):
-        if not value > 0:
-            raise PlanError(f"{flag}: must be > 0, got {value}")
-    link = link_gbps * 1e9 / 8
-    device = Accelerator(
-        name="custom",
-        memory_bytes=int(memory_gib * GIB), peak_flops=tflops * 1e12,
-        intra_node_bytes_per_second=link, inter_node_bytes_per_second=link,
-    )
-    return ClusterShape(accelerator=device)
 
 
 @dataclass(frozen=True, kw_only=True)
