@@ -4,24 +4,48 @@
     options = spec.train_options()          # what the trainer runs
     cluster = spec.cluster_options()        # what the Ray controller needs (ringray train)
 
-Every field carries a description (``ringray`` prints them); unknown fields are errors. Checks
-that involve several fields (the sequence length against the layout and the ring size, heads
-against kv heads, the batch against dp) name the field to change and what would be valid.
+Every field carries a description (the README's job file reference is generated from them by
+:mod:`ringray.config_reference`); unknown fields are errors, and so are values of the wrong
+type (no silent coercion: ``steps: "10"`` or ``steps: true`` is not an integer). Checks that
+involve several fields (the sequence length against the layout and the ring size, heads
+against kv heads, the batch against dp, the workers' resources against the accelerator) name
+the field to change, the value and what would be valid. Checks that look at this machine
+(``data.path`` exists, output directories can be created) run in :func:`load_job_spec`, not
+in the schema, so a spec meant for another machine still parses.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import os
+import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
+import fsspec
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ringray.attention.backends import BACKENDS
 from ringray.attention.layouts import BUILTIN_LAYOUTS, seq_len_divisor
 from ringray.cluster.options import ClusterOptions
+from ringray.config_errors import describe_yaml_error, format_validation_error, load_yaml
+from ringray.data import ByteTokenizer, passkey_min_seq_len
 from ringray.model import MODEL_PRESETS, ModelConfig, model_preset
 from ringray.train.options import OptimizerOptions, PasskeyEvalOptions, TrainOptions
+
+# 16M tokens: sixteen times the longest context in jobs/ (1M). Longer is almost surely a typo
+# (an extra zero), and RoPE positions in float32 lose integer precision past 2**24.
+MAX_SEQ_LEN = 1 << 24
+# The passkey evaluation's key length (evaluate_passkey's default), which sets the shortest
+# context that holds the needle, the question and some filler.
+PASSKEY_DIGITS = 5
+# A name is used in Ray actor names (ringray-job-<name>) and as a directory (runs/<name>).
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+_HOST_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
+# Ray's built-in resources that a worker may ask for by name; others are custom resources.
+_RAY_RESERVED = ("memory", "object_store_memory")
 
 
 def _one_of(value: str, valid: list[str], what: str) -> str:
@@ -30,13 +54,32 @@ def _one_of(value: str, valid: list[str], what: str) -> str:
     return value
 
 
+def _is_url(location: str) -> bool:
+    return "://" in location
+
+
+def _check_url(location: str) -> str:
+    """An fsspec URL whose scheme fsspec knows (``s3://``, ``gs://``, ``file://`` ...)."""
+    scheme = location.split("://", 1)[0]
+    known = fsspec.available_protocols()
+    if scheme not in known:
+        raise ValueError(
+            f"{location!r} has a URL scheme {scheme!r} that fsspec does not know; use a local "
+            f"path or one of fsspec's, e.g. s3://, gs://, abfs://, file://"
+        )
+    return location
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: YAML already gives typed values, so a quoted number or a yes/no where a number
+    # belongs is a mistake to report, not to coerce.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 class ModelSpec(_Section):
     preset: str = Field("debug", description=f"Model shape preset: {', '.join(MODEL_PRESETS)}.")
-    dim: int | None = Field(None, ge=1, description="Hidden size (default: the preset's).")
+    dim: int | None = Field(None, ge=1, description="Hidden size (default: the preset's); "
+                            "a multiple of n_heads with an even head size.")
     n_layers: int | None = Field(None, ge=1, description="Decoder blocks (default: the preset's).")
     n_heads: int | None = Field(None, ge=1, description="Query heads (default: the preset's).")
     n_kv_heads: int | None = Field(
@@ -62,23 +105,37 @@ class DataSpec(_Section):
         "no setup), 'files' (the .txt/.jsonl files under data.path) or 'passkey' "
         "(synthetic passkey-retrieval samples, one per sequence).",
     )
-    path: str | None = Field(None, description="Directory of .txt/.jsonl files (source 'files').")
+    path: str | None = Field(
+        None, min_length=1,
+        description="Local directory of .txt/.jsonl files, read recursively (source 'files' "
+        "only); must exist where the job is loaded.",
+    )
     seed: int = Field(0, description="Document order seed (the loader is deterministic).")
+
+    @field_validator("path")
+    @classmethod
+    def _local_path(cls, value: str | None) -> str | None:
+        if value is not None and _is_url(value):
+            raise ValueError(f"{value!r} is a URL; the data loader reads a local directory")
+        return value
 
 
 class ParallelSpec(_Section):
     dp: int | None = Field(
-        1, ge=1, description="Data-parallel replicas; null: world size / cp."
+        1, ge=1, description="Data-parallel replicas; null: world size / cp (torchrun only)."
     )
     cp: int | None = Field(
-        None, ge=1, description="Context-parallel ring size; null: world size / dp."
+        None, ge=1,
+        description="Context-parallel ring size; null: world size / dp (torchrun only).",
     )
     layout: str = Field(
         "zigzag",
-        description=f"How sequences are split over a ring: {', '.join(BUILTIN_LAYOUTS)}.",
+        description=f"How sequences are split over a ring: {', '.join(BUILTIN_LAYOUTS)}; "
+        "train.seq_len and eval.passkey_lengths must split evenly (zigzag: multiples of 2 × cp).",
     )
     attention_backend: str = Field(
-        "auto", description="Local attention kernel: auto, or one of the registered backends."
+        "auto",
+        description=f"Local attention kernel: auto, or one of {', '.join(BACKENDS)}.",
     )
 
     @field_validator("layout")
@@ -97,7 +154,11 @@ class OptimizerSpec(_Section):
     min_lr_ratio: float = Field(
         0.1, ge=0, le=1, description="Cosine decay floor, as a fraction of lr."
     )
-    warmup_steps: int = Field(10, ge=0, description="Linear warmup steps.")
+    warmup_steps: int = Field(
+        10, ge=0,
+        description="Linear warmup steps. More than train.steps is allowed (a short smoke run "
+        "such as --steps 4 then ends inside the warmup, below the peak lr).",
+    )
     weight_decay: float = Field(0.1, ge=0, description="AdamW decay on weight matrices.")
     beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
     beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2.")
@@ -108,10 +169,13 @@ class OptimizerSpec(_Section):
 class TrainSpec(_Section):
     steps: int = Field(100, ge=1, description="Optimizer steps (the schedule's length).")
     global_batch: int = Field(
-        4, ge=1, description="Sequences per step over all data-parallel replicas."
+        4, ge=1,
+        description="Sequences per step over all data-parallel replicas; a multiple of "
+        "parallel.dp.",
     )
     seq_len: int = Field(
-        1024, ge=2, description="Tokens per sequence (split over the ring by the layout)."
+        1024, ge=2, le=MAX_SEQ_LEN,
+        description="Tokens per sequence (split over the ring by the layout).",
     )
     seed: int = Field(0, description="Weight initialisation seed.")
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec, description="AdamW and LR.")
@@ -121,7 +185,11 @@ class TrainSpec(_Section):
     activation_checkpointing: bool = Field(
         False, description="Recompute each block in the backward pass to save memory."
     )
-    log_every: int = Field(10, ge=1, description="Print a progress line every N steps.")
+    log_every: int = Field(
+        10, ge=1,
+        description="Print a progress line every N steps; the first and the last step are "
+        "always printed, so N > steps prints only those.",
+    )
     peak_tflops_per_device: float | None = Field(
         None, gt=0,
         description="Peak TFLOP/s per device for MFU; null: a known GPU's bf16 peak, or a "
@@ -131,23 +199,58 @@ class TrainSpec(_Section):
 
 class CheckpointSpec(_Section):
     path: str | None = Field(
-        None,
+        None, min_length=1,
         description="Directory or fsspec URL (e.g. s3://bucket/job) for checkpoints; every node "
         "must reach it. null: <run_dir>/checkpoints.",
     )
-    interval: int = Field(0, ge=0, description="Steps between checkpoints; 0: only at the end.")
+    interval: int = Field(
+        0, ge=0,
+        description="Steps between checkpoints; 0, or more than train.steps: only the final "
+        "checkpoint.",
+    )
     keep: int = Field(3, ge=1, description="Complete checkpoints kept (older ones are deleted).")
     resume: bool = Field(True, description="Resume from the newest complete checkpoint.")
 
+    @field_validator("path")
+    @classmethod
+    def _known_scheme(cls, value: str | None) -> str | None:
+        return _check_url(value) if value is not None and _is_url(value) else value
+
+
+Depth = Annotated[float, Field(ge=0, le=1)]
+PasskeyLength = Annotated[int, Field(ge=2, le=MAX_SEQ_LEN)]
+
 
 class EvalSpec(_Section):
-    passkey_lengths: list[int] = Field(
-        default_factory=list, description="Context lengths for passkey retrieval after training."
+    passkey_lengths: list[PasskeyLength] = Field(
+        default_factory=list,
+        description="Context lengths for passkey retrieval after training (none: no "
+        "evaluation); distinct, each split evenly by the layout and long enough for the "
+        f"needle and question ({passkey_min_seq_len(ByteTokenizer(), PASSKEY_DIGITS)} tokens).",
     )
-    passkey_depths: list[float] = Field(
-        default_factory=lambda: [0.1, 0.5, 0.9], description="Needle depths, 0 (start) to 1."
+    passkey_depths: list[Depth] = Field(
+        default_factory=lambda: [0.1, 0.5, 0.9],
+        description="Needle depths, 0 (start) to 1 (end); distinct.",
     )
     passkey_samples: int = Field(4, ge=1, description="Samples per (length, depth) cell.")
+
+    @model_validator(mode="after")
+    def _grid(self) -> EvalSpec:
+        for field, values in (("passkey_lengths", self.passkey_lengths),
+                              ("passkey_depths", self.passkey_depths)):
+            repeats = sorted({v for v in values if values.count(v) > 1})
+            if repeats:
+                raise ValueError(f"{field}: {values} repeats {repeats}; give each value once")
+        minimum = passkey_min_seq_len(ByteTokenizer(), PASSKEY_DIGITS)
+        short = [n for n in self.passkey_lengths if n < minimum]
+        if short:
+            raise ValueError(
+                f"passkey_lengths: {short} cannot hold the needle and the question; use "
+                f"lengths of at least {minimum}"
+            )
+        if self.passkey_lengths and not self.passkey_depths:
+            raise ValueError("passkey_depths: [] gives no cells to evaluate; e.g. [0.1, 0.5, 0.9]")
+        return self
 
 
 class ClusterSpec(_Section):
@@ -157,8 +260,8 @@ class ClusterSpec(_Section):
     worker_resources: dict[str, float] | None = Field(
         None,
         description="Ray resources of one worker, e.g. {GPU: 1, CPU: 8}; null: {GPU: 1} for "
-        "accelerator gpu, {CPU: 1} for cpu. A custom resource pins workers to the nodes "
-        "that offer it.",
+        "accelerator gpu, {CPU: 1} for cpu. With gpu, GPU must be 1 (one NCCL rank per "
+        "device); with cpu, no GPU. A custom resource pins workers to the nodes that offer it.",
     )
     dp_min: int | None = Field(
         None, ge=1,
@@ -186,7 +289,8 @@ class ClusterSpec(_Section):
         "(at the next checkpoint boundary), so a flickering node never makes it flap.",
     )
     failure_domain: str | None = Field(
-        "zone", description="Node label whose values DP replicas are spread over."
+        "zone", min_length=1,
+        description="Node label whose values DP replicas are spread over; null: none.",
     )
     request_resources: bool = Field(
         True, description="Ask the Ray autoscaler for the full size while running smaller."
@@ -201,20 +305,47 @@ class ClusterSpec(_Section):
     @field_validator("worker_resources")
     @classmethod
     def _positive_resources(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value is not None:
-            if not value:
-                raise ValueError("give at least one resource, e.g. {CPU: 1}")
-            bad = {k: v for k, v in value.items() if v <= 0}
-            if bad:
-                raise ValueError(f"amounts must be positive, got {bad}")
+        if value is None:
+            return value
+        if not value:
+            raise ValueError("{} asks for nothing; give at least one resource, e.g. {CPU: 1}")
+        for name, amount in value.items():
+            if name.upper() in ("CPU", "GPU") and name not in ("CPU", "GPU"):
+                raise ValueError(
+                    f"{name}: Ray's resource names are case-sensitive; write {name.upper()}"
+                )
+            if name in _RAY_RESERVED:
+                raise ValueError(f"{name}: not a worker resource ringray can ask Ray for; "
+                                 f"use CPU, GPU or a custom resource")
+            if amount <= 0:
+                raise ValueError(f"{name}: {amount:g} is not positive; give an "
+                                 f"amount > 0, or leave {name} out")
         return value
+
+    @model_validator(mode="after")
+    def _resources_fit_the_accelerator(self) -> ClusterSpec:
+        if self.worker_resources is None:
+            return self
+        gpus = self.worker_resources.get("GPU")
+        if self.accelerator == "gpu" and gpus != 1:
+            got = "no GPU" if gpus is None else f"GPU: {gpus:g}"
+            raise ValueError(
+                f"worker_resources: {got} with accelerator gpu; each worker drives exactly one "
+                f"GPU (one NCCL rank per device), so give GPU: 1"
+            )
+        if self.accelerator == "cpu" and gpus is not None:
+            raise ValueError(
+                f"worker_resources: GPU: {gpus:g} with accelerator cpu (gloo rings that never "
+                f"use it); set cluster.accelerator: gpu, or leave GPU out"
+            )
+        return self
 
 
 class MetricsSpec(_Section):
     address: str = Field(
         "127.0.0.1",
-        description="Address the controller serves Prometheus metrics on: loopback by "
-        "default; 0.0.0.0 lets a cluster's Prometheus scrape the head node.",
+        description="IP address or host name the controller serves Prometheus metrics on: "
+        "loopback by default; 0.0.0.0 lets a cluster's Prometheus scrape the head node.",
     )
     port: int | None = Field(
         9477, ge=0, le=65535,
@@ -222,11 +353,31 @@ class MetricsSpec(_Section):
         "no endpoint).",
     )
 
+    @field_validator("address")
+    @classmethod
+    def _host(cls, value: str) -> str:
+        try:
+            ipaddress.ip_address(value)
+            return value
+        except ValueError:
+            pass
+        labels = value.rstrip(".").split(".")
+        if len(value) > 253 or not all(_HOST_LABEL.match(label) for label in labels):
+            raise ValueError(f"{value!r} is not an IP address or a host name; e.g. 127.0.0.1, "
+                             f"0.0.0.0 or head.example.com")
+        return value
+
 
 class JobSpec(_Section):
-    name: str = Field("ringray-job", min_length=1, description="Job name.")
+    name: str = Field(
+        "ringray-job",
+        description="Job name, also used in Ray actor names and as runs/<name>: letters, "
+        "digits, '-', '_' and '.', starting with a letter or digit, at most 63 characters.",
+    )
     run_dir: str | None = Field(
-        None, description="Run directory (steps.jsonl, checkpoints); null: runs/<name>."
+        None, min_length=1,
+        description="Local run directory (steps.jsonl, events, default checkpoints); null: "
+        "runs/<name>.",
     )
     model: ModelSpec = Field(default_factory=ModelSpec, description="The decoder's shape.")
     data: DataSpec = Field(default_factory=DataSpec, description="Training data.")
@@ -243,19 +394,52 @@ class JobSpec(_Section):
         default_factory=MetricsSpec, description="The controller's Prometheus endpoint."
     )
 
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, value: str) -> str:
+        if not _NAME.match(value):
+            raise ValueError(
+                f"{value!r} is not a safe job name (it names Ray actors and directories); use "
+                f"letters, digits, '-', '_' and '.', starting with a letter or digit, at most "
+                f"63 characters, e.g. 'llama-1b-128k'"
+            )
+        return value
+
+    @field_validator("run_dir")
+    @classmethod
+    def _local_run_dir(cls, value: str | None) -> str | None:
+        if value is not None and _is_url(value):
+            raise ValueError(f"{value!r} is a URL; the run directory is local (put checkpoints "
+                             f"on remote storage with checkpoint.path)")
+        return value
+
     @model_validator(mode="after")
     def _cross_field(self) -> JobSpec:
         try:
             self.model.build()
         except ValueError as exc:
             raise ValueError(f"model.{exc}") from None
+        self._check_data()
+        self._check_mesh()
+        return self
+
+    def _check_data(self) -> None:
         if self.data.source == "files" and not self.data.path:
-            raise ValueError("data.path: required when data.source is 'files'")
+            raise ValueError("data.path: required when data.source is 'files'; give a "
+                             "directory of .txt/.jsonl files")
         if self.data.source != "files" and self.data.path:
             raise ValueError(
                 f"data.path: only read when data.source is 'files' (it is "
                 f"{self.data.source!r}); remove it or set data.source: files"
             )
+        minimum = passkey_min_seq_len(ByteTokenizer(), PASSKEY_DIGITS) + 1
+        if self.data.source == "passkey" and self.train.seq_len < minimum:
+            raise ValueError(
+                f"train.seq_len: {self.train.seq_len} is too short for passkey training "
+                f"samples; use at least {minimum} with data.source 'passkey'"
+            )
+
+    def _check_mesh(self) -> None:
         dp, cp = self.parallel.dp, self.parallel.cp
         if dp is not None and self.train.global_batch % dp:
             raise ValueError(
@@ -287,7 +471,29 @@ class JobSpec(_Section):
                     f"split over dp_min={dp_min} replicas; use a divisor of it (sizes between "
                     f"dp_min and parallel.dp that do not divide it are skipped)"
                 )
-        return self
+
+    def check_capacity(self, available: Mapping[str, float], *, where: str) -> None:
+        """Raise :class:`JobSpecError` if the smallest job this spec allows (``dp_min × cp``
+        workers) needs more of a resource than ``available`` holds in total.
+
+        For a cluster that cannot grow (an embedded local Ray; a cluster without an
+        autoscaler); ``where`` names it in the message, e.g. ``"this machine"``.
+        """
+        options = self.cluster_options()
+        workers = options.dp_min * options.cp
+        for resource, amount in options.worker_resources.items():
+            need, have = workers * amount, available.get(resource, 0.0)
+            if need > have:
+                fits = int(have // amount) // options.dp_min if amount else 0
+                raise JobSpecError(
+                    f"parallel.cp: dp × cp = {options.dp_min} × {options.cp} = {workers} workers "
+                    f"× {resource}: {amount:g} need {need:g} {resource}, but {where} has "
+                    f"{have:g}; use parallel.cp ≤ {fits} (with dp {options.dp_min}) or a "
+                    f"larger cluster"
+                    if fits < options.cp else
+                    f"cluster.dp_min: {options.dp_min} rings × cp {options.cp} need {need:g} "
+                    f"{resource}, but {where} has {have:g}; use a smaller dp"
+                )
 
     def cluster_options(self) -> ClusterOptions:
         """What the Ray controller needs (``ringray train``): the mesh must be explicit."""
@@ -356,32 +562,9 @@ class JobSpec(_Section):
         )
 
 
+
 class JobSpecError(ValueError):
     """A job spec that does not validate; the message names each bad field."""
-
-
-def _section_fields(loc: tuple) -> list[str]:
-    """The field names of the section at ``loc`` (a path of field names from JobSpec)."""
-    model: type[BaseModel] = JobSpec
-    for part in loc:
-        annotation = model.model_fields[part].annotation if part in model.model_fields else None
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            return []
-        model = annotation
-    return list(model.model_fields)
-
-
-def format_validation_error(exc: ValidationError) -> str:
-    """One line per problem: ``field.path: message`` (an unknown field lists the valid ones)."""
-    lines = []
-    for error in exc.errors():
-        location = ".".join(str(part) for part in error["loc"])
-        message = error["msg"].removeprefix("Value error, ")
-        if error["type"] == "extra_forbidden":
-            valid = _section_fields(tuple(error["loc"][:-1]))
-            message = f"unknown field; valid: {', '.join(valid)}"
-        lines.append(f"{location}: {message}" if location else message)
-    return "\n".join(lines)
 
 
 def _set_dotted(data: dict, dotted: str, value: object) -> None:
@@ -401,31 +584,86 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise JobSpecError(f"--set {item!r}: expected section.key=value")
-        _set_dotted(data, key.strip(), yaml.safe_load(raw))
+        try:
+            value = load_yaml(raw)
+        except yaml.YAMLError as exc:
+            raise JobSpecError(f"--set {item!r}: the value is not valid YAML "
+                               f"({describe_yaml_error(exc)})") from None
+        _set_dotted(data, key.strip(), value)
     return data
 
 
 def parse_job_spec(data: dict) -> JobSpec:
+    """Validate a spec given as plain data (no look at this machine's files)."""
     try:
         return JobSpec.model_validate(data)
     except ValidationError as exc:
-        raise JobSpecError(format_validation_error(exc)) from None
+        raise JobSpecError(format_validation_error(exc, JobSpec)) from None
 
 
-def load_job_spec(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _check_output_dir(field: str, location: str) -> None:
+    """A local directory that exists, or whose nearest existing ancestor is a writable one."""
+    path = Path(location).absolute()
+    if path.exists():
+        if not path.is_dir():
+            raise JobSpecError(f"{field}: {location!r} is a file; give a directory")
+        return
+    ancestor = _nearest_existing(path.parent)
+    if not ancestor.is_dir():
+        raise JobSpecError(f"{field}: {location!r} cannot be created: {ancestor} is a file; "
+                           f"give a path under a directory")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise JobSpecError(f"{field}: {location!r} cannot be created: {ancestor} is not "
+                           f"writable; give a path under a directory you can write to")
+
+
+def check_local_paths(spec: JobSpec) -> None:
+    """Raise :class:`JobSpecError` unless this machine has ``data.path`` (a directory) and can
+    create the run and local checkpoint directories. Relative paths are from the current
+    directory, as the trainer reads them."""
+    if spec.data.source == "files" and spec.data.path:
+        path = Path(spec.data.path)
+        if not path.exists():
+            raise JobSpecError(f"data.path: {spec.data.path!r} does not exist (from "
+                               f"{Path.cwd()}); give a directory of .txt/.jsonl files")
+        if not path.is_dir():
+            raise JobSpecError(f"data.path: {spec.data.path!r} is a file; give the directory "
+                               f"that holds the .txt/.jsonl files")
+    options = spec.train_options()
+    _check_output_dir("run_dir", options.run_dir)
+    if not _is_url(options.checkpoint_location):
+        field = "checkpoint.path" if spec.checkpoint.path else "run_dir"
+        _check_output_dir(field, options.checkpoint_location)
+
+
+def load_job_spec(
+    path: str | Path, overrides: list[str] | None = None, *, check_paths: bool = True
+) -> JobSpec:
     """Read, override and validate a YAML job spec.
+
+    ``check_paths``: also check this machine's paths (:func:`check_local_paths`); leave it
+    off for a spec that will run elsewhere (``ringray submit`` to a remote cluster).
 
     Raises:
         JobSpecError: naming the file, or each invalid field and what would be valid.
     """
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = load_yaml(path.read_text()) or {}
     except OSError as exc:
         raise JobSpecError(f"{path}: cannot read the job spec ({exc.strerror})") from None
     except yaml.YAMLError as exc:
-        raise JobSpecError(f"{path}: not valid YAML ({exc})") from None
+        raise JobSpecError(f"{path}: not valid YAML ({describe_yaml_error(exc)})") from None
     if not isinstance(data, dict):
         kind = type(data).__name__
         raise JobSpecError(f"{path}: a job spec is a mapping of sections, got {kind}")
-    return parse_job_spec(apply_overrides(data, overrides or []))
+    spec = parse_job_spec(apply_overrides(data, overrides or []))
+    if check_paths:
+        check_local_paths(spec)
+    return spec

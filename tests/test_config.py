@@ -4,9 +4,11 @@ trainer's options. Every YAML file under ``jobs/`` validates."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
+import yaml
 from pydantic import BaseModel
 
 from ringray.config import (
@@ -71,7 +73,7 @@ def test_unknown_field_is_named(data: dict, needle: str) -> None:
          "use a multiple of 3"),
         ({"parallel": {"cp": 4, "layout": "striped"}, "train": {"seq_len": 4098}},
          "use a multiple of 4"),
-        ({"parallel": {"cp": 2}, "train": {"seq_len": 8}, "eval": {"passkey_lengths": [8, 1002]}},
+        ({"parallel": {"cp": 2}, "train": {"seq_len": 8}, "eval": {"passkey_lengths": [200, 1002]}},
          "eval.passkey_lengths: 1002 cannot be split by layout 'zigzag' over cp=2 ranks; "
          "use a multiple of 4"),
         ({"model": {"n_heads": 4, "n_kv_heads": 3}},
@@ -79,16 +81,19 @@ def test_unknown_field_is_named(data: dict, needle: str) -> None:
         ({"model": {"dim": 130}}, "model.dim: 130 is not divisible by n_heads=4"),
         ({"parallel": {"dp": 3}, "train": {"global_batch": 4}},
          "train.global_batch: 4 does not split over parallel.dp=3 replicas; use a multiple of 3"),
-        ({"data": {"source": "files"}}, "data.path: required when data.source is 'files'"),
+        ({"data": {"source": "files"}}, "data.path: required when data.source is 'files'; give a "
+         "directory of .txt/.jsonl files"),
         ({"parallel": {"layout": "spiral"}},
          "parallel.layout: unknown layout 'spiral'; valid: contiguous, zigzag, striped"),
         ({"parallel": {"attention_backend": "flash"}},
          "parallel.attention_backend: unknown backend 'flash'; valid: auto, reference, sdpa"),
         ({"model": {"preset": "70b"}},
          "model.preset: unknown preset '70b'; valid: debug, small, 1b, 8b"),
-        ({"data": {"source": "web"}}, "data.source:"),
-        ({"train": {"optimizer": {"lr": 0}}}, "train.optimizer.lr: Input should be greater than 0"),
-        ({"parallel": {"dp": 0}}, "parallel.dp: Input should be greater than or equal to 1"),
+        ({"data": {"source": "web"}},
+         "data.source: 'web' is not one of 'stdlib', 'files', 'passkey'"),
+        ({"train": {"optimizer": {"lr": 0}}},
+         "train.optimizer.lr: 0 is too small; use a number > 0"),
+        ({"parallel": {"dp": 0}}, "parallel.dp: 0 is too small; use an integer >= 1"),
         ({"parallel": {"dp": 2}, "cluster": {"dp_min": 3}},
          "cluster.dp_min: 3 is larger than parallel.dp=2 (the size the job asks for); use a "
          "value from 1 to 2"),
@@ -96,15 +101,15 @@ def test_unknown_field_is_named(data: dict, needle: str) -> None:
          "cluster.dp_min: train.global_batch=8 does not split over dp_min=3 replicas; use a "
          "divisor of it"),
         ({"cluster": {"worker_resources": {"CPU": 0}}},
-         "cluster.worker_resources: amounts must be positive, got {'CPU': 0.0}"),
+         "cluster.worker_resources.CPU: 0 is not positive; give an amount > 0, or leave CPU out"),
         ({"cluster": {"worker_resources": {}}},
-         "cluster.worker_resources: give at least one resource"),
+         "cluster.worker_resources: {} asks for nothing; give at least one resource"),
         ({"cluster": {"accelerator": "tpu"}},
-         "cluster.accelerator: Input should be 'cpu' or 'gpu'"),
+         "cluster.accelerator: 'tpu' is not one of 'cpu', 'gpu'"),
         ({"cluster": {"step_timeout_seconds": 0}},
-         "cluster.step_timeout_seconds: Input should be greater than 0"),
+         "cluster.step_timeout_seconds: 0 is too small; use a number > 0"),
         ({"cluster": {"max_failures": -1}},
-         "cluster.max_failures: Input should be greater than or equal to 0"),
+         "cluster.max_failures: -1 is too small; use an integer >= 0"),
         ({"cluster": {"nodes": 3}}, "cluster.nodes: unknown field; valid: accelerator,"),
     ],
 )
@@ -119,7 +124,7 @@ def test_valid_cross_field_combinations_pass() -> None:
     that splits over dp, files with a path; with cp left to the world size, the sequence
     length is checked at launch instead."""
     parse_job_spec({"parallel": {"cp": 2}, "train": {"seq_len": 12},
-                    "eval": {"passkey_lengths": [8, 1000]}})
+                    "eval": {"passkey_lengths": [200, 1000]}})
     parse_job_spec({"parallel": {"dp": 2, "cp": None}, "train": {"global_batch": 4,
                                                                   "seq_len": 7}})
     parse_job_spec({"data": {"source": "files", "path": "/tmp/texts"}})
@@ -213,7 +218,7 @@ def test_train_options_maps_every_field() -> None:
                           "grad_clip": 0.5},
         },
         "checkpoint": {"path": "s3://bucket/job", "interval": 4, "keep": 1, "resume": False},
-        "eval": {"passkey_lengths": [64, 128], "passkey_depths": [0.5], "passkey_samples": 2},
+        "eval": {"passkey_lengths": [192, 256], "passkey_depths": [0.5], "passkey_samples": 2},
     })
     want = TrainOptions(
         model=model_preset("small", n_layers=2, rope_theta=1000.0),
@@ -238,7 +243,7 @@ def test_train_options_maps_every_field() -> None:
         checkpoint_interval=4,
         checkpoint_keep=1,
         resume=False,
-        passkey=PasskeyEvalOptions(lengths=(64, 128), depths=(0.5,), samples_per_cell=2),
+        passkey=PasskeyEvalOptions(lengths=(192, 256), depths=(0.5,), samples_per_cell=2),
     )
     got = spec.train_options()
     assert got == want
@@ -257,11 +262,17 @@ def test_train_options_defaults() -> None:
 
 
 def test_job_files_validate() -> None:
-    """Every job spec shipped under ``jobs/`` validates and maps to trainer options."""
+    """Every job spec shipped under ``jobs/`` validates and maps to trainer and cluster
+    options; the CPU ones (run on this machine) also pass the local path checks, the GPU
+    ones are for a cluster's file systems."""
     failures = []
     for path in sorted(JOBS_DIR.glob("*.yaml")):
         try:
-            load_job_spec(path).train_options()
+            spec = load_job_spec(path, check_paths=False)
+            spec.train_options()
+            spec.cluster_options()
+            if spec.cluster.accelerator == "cpu":
+                load_job_spec(path)
         except (JobSpecError, ValueError) as exc:
             failures.append(f"{path.name}: {exc}")
     assert failures == []
@@ -296,3 +307,62 @@ def test_cluster_options_need_an_explicit_mesh(field: str) -> None:
     spec = parse_job_spec({"parallel": {"dp": 1, "cp": 2, field: None}})
     with pytest.raises(JobSpecError, match=f"parallel.{field}: required by `ringray train`"):
         spec.cluster_options()
+
+
+def test_yaml_is_read_strictly(tmp_path: Path) -> None:
+    """A key given twice is an error (plain YAML keeps the last one silently); ``1e-3`` is a
+    float as in YAML 1.2 (PyYAML alone reads it as a string); values are not coerced."""
+    dup = tmp_path / "dup.yaml"
+    dup.write_text("train:\n  steps: 3\n  steps: 4\n")
+    with pytest.raises(JobSpecError, match=r"dup.yaml: not valid YAML \(line 3: key 'steps' "
+                                           r"appears twice in one mapping; keep one\)"):
+        load_job_spec(dup)
+    floats = tmp_path / "floats.yaml"
+    floats.write_text("train:\n  optimizer:\n    lr: 1e-3\n    eps: 1E-8\n")
+    assert load_job_spec(floats).train.optimizer.lr == 1e-3
+    for override, needle in [("train.steps='10'", "train.steps: '10' is not an integer"),
+                             ("train.steps=yes", "train.steps: true is not an integer"),
+                             ("checkpoint.resume=0", "checkpoint.resume: 0 is not a boolean"),
+                             ("name=", "name: null is not allowed here; e.g. 'ringray-job'")]:
+        with pytest.raises(JobSpecError, match=re.escape(needle)):
+            load_job_spec(floats, [override])
+
+
+def test_a_dumped_spec_loads_back_equal(tmp_path: Path) -> None:
+    """``ringray train`` writes the spec as run (``model_dump(mode='json')`` as YAML) for
+    ``ringray resume``; the strict loader reads it back to the same spec."""
+    spec = load_job_spec(JOBS_DIR / "quickstart.yaml", ["train.optimizer.eps=1e-8",
+                                                        "cluster.worker_resources={CPU: 2}"])
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
+    assert load_job_spec(path) == spec
+
+
+def test_local_paths_are_checked_at_load_time(tmp_path: Path) -> None:
+    """``data.path`` must be a directory here and the output directories creatable; with
+    ``check_paths=False`` (a spec for another machine) only the schema is checked."""
+    path = tmp_path / "job.yaml"
+    path.write_text(f"data:\n  source: files\n  path: {tmp_path / 'corpus'}\n"
+                    f"run_dir: {tmp_path / 'run'}\n")
+    with pytest.raises(JobSpecError, match=r"data.path: '.*corpus' does not exist"):
+        load_job_spec(path)
+    assert load_job_spec(path, check_paths=False).data.path == str(tmp_path / "corpus")
+    (tmp_path / "corpus").mkdir()
+    assert load_job_spec(path).data.source == "files"
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(JobSpecError, match=r"checkpoint.path: '.*file/ckpt' cannot be created: "
+                                           r".*file is a file"):
+        load_job_spec(path, [f"checkpoint.path={tmp_path / 'file' / 'ckpt'}"])
+    with pytest.raises(JobSpecError, match=r"data.path: '.*file' is a file"):
+        load_job_spec(path, [f"data.path={tmp_path / 'file'}"])
+    assert load_job_spec(path, ["checkpoint.path=s3://bucket/job"]).checkpoint.path
+
+
+def test_intervals_longer_than_the_run_are_allowed() -> None:
+    """A checkpoint interval or log interval past train.steps means only the final
+    checkpoint / only the first and last lines; a warmup past it ends the run inside the
+    warmup (a smoke run such as ``--steps 4`` on a spec with 10 warmup steps)."""
+    spec = parse_job_spec({"train": {"steps": 5, "log_every": 50,
+                                     "optimizer": {"warmup_steps": 10}},
+                           "checkpoint": {"interval": 100}})
+    assert spec.train_options().checkpoint_interval == 100
