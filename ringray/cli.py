@@ -36,7 +36,7 @@ _err = Console(stderr=True)
 
 
 def _fail(message: str) -> None:
-    _err.print(f"[bold red]error:[/] {message}", highlight=False)
+    _err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(code=2)
 
 
@@ -344,12 +344,12 @@ def plan(
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
 ) -> None:
-    """Will a job fit its cluster? Memory per device, ring overlap, recommended cp, verdict.
+    """Will a job fit its cluster? Memory, ring overlap, recommended cp, verdict.
 
-    Per device: weights, gradients and AdamW state (replicated), activations (the ring's
-    per-layer accounting), the ring's K/V buffers; the overlap threshold c >= F/B x constant
-    against the job's block (seq_len / cp tokens per rank). Exit code 0 when it fits, 1 when
-    it does not, 2 for a usage error.
+    Memory per device: weights, gradients and AdamW state (replicated),
+    activations (the ring's per-layer accounting) and the ring's K/V buffers.
+    Overlap: the threshold block c >= F/B x constant vs seq_len / cp per rank.
+    Exit code 0 when the job fits, 1 when it does not, 2 for a usage error.
 
     Examples:
 

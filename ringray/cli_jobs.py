@@ -87,7 +87,8 @@ def submit(
     if steps is not None:
         overrides = [*overrides, f"train.steps={steps}"]
     try:
-        spec = load_job_spec(spec_path, overrides)
+        # Paths in the spec are the cluster's (run_dir, checkpoint.path): not checked here.
+        spec = load_job_spec(spec_path, overrides, check_paths=False)
         spec.cluster_options()
     except JobSpecError as exc:
         _fail(str(exc).replace("\n", "; "))
