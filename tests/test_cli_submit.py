@@ -45,21 +45,33 @@ def _stop_processes_under(directory: str) -> None:
         time.sleep(0.1)
 
 
-@pytest.fixture()
-def ray_head():
-    """A Ray head node with its dashboard (the Jobs API) on free loopback ports."""
-    temp_dir = tempfile.mkdtemp(prefix="rr-jobs-", dir="/tmp")
-    port, dashboard_port = free_loopback_port(), free_loopback_port()
+def _start_head(temp_dir: str) -> str:
+    """`ray start --head` on free ports (tried twice: a port picked free may be taken by
+    the time Ray binds it); the dashboard's URL."""
     env = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
-    try:
-        subprocess.run(
+    for _attempt in range(2):
+        port, dashboard_port = free_loopback_port(), free_loopback_port()
+        started = subprocess.run(
             [str(BIN / "ray"), "start", "--head", f"--port={port}", "--num-cpus=4",
              f"--temp-dir={temp_dir}", "--include-dashboard=true",
              "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
              "--disable-usage-stats"],
-            env=env, check=True, capture_output=True, timeout=180,
+            env=env, capture_output=True, text=True, timeout=180,
         )
-        url = f"http://127.0.0.1:{dashboard_port}"
+        if started.returncode == 0:
+            return f"http://127.0.0.1:{dashboard_port}"
+        _stop_processes_under(temp_dir)
+    raise AssertionError(f"ray start failed twice:\n{started.stdout[-2000:]}\n"
+                         f"{started.stderr[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    """A Ray head node with its dashboard (the Jobs API) on free loopback ports, shared by
+    this module's tests."""
+    temp_dir = tempfile.mkdtemp(prefix="rr-jobs-", dir="/tmp")
+    try:
+        url = _start_head(temp_dir)
         deadline = time.monotonic() + 90
         while True:  # the dashboard's job module comes up after `ray start` returns
             try:
@@ -138,8 +150,9 @@ def test_submit_status_logs_stop_and_resume(ray_head: str, tmp_path: Path) -> No
     assert _steps(second_dir) == list(range(1, reached + 3))
 
     listed = json.loads(_ok(_ringray("list", *address, "--json")).stdout)
-    assert {s["submission_id"]: s["status"] for s in listed} == {
-        first: "SUCCEEDED", second: "STOPPED", third: "SUCCEEDED"}
+    statuses = {s["submission_id"]: s["status"] for s in listed}
+    assert {first: "SUCCEEDED", second: "STOPPED", third: "SUCCEEDED"}.items() <= \
+        statuses.items()
 
 
 def test_job_commands_fail_in_one_line(ray_head: str) -> None:
