@@ -11,9 +11,12 @@ its fixture.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 import ray
 from ray.cluster_utils import Cluster
@@ -73,6 +76,27 @@ class LocalCluster:
         self.remove_all()
         ray.shutdown()
         self.cluster.shutdown()
+
+
+def stop_processes_under(directory: str) -> None:
+    """Stop one Ray cluster started with ``ray start --temp-dir=directory``: SIGKILL the
+    processes whose command line names that directory (every Ray process is started with
+    paths under it), and nothing else on the machine (never ``ray stop --force``)."""
+    mine = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if directory.encode() in cmdline.read_bytes():
+                mine.append(int(cmdline.parent.name))
+        except OSError:  # the process has gone
+            continue
+    for pid in mine:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}").exists() for pid in mine) and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def job_options(run_dir: str, **overrides) -> TrainOptions:

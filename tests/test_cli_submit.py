@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -19,30 +18,13 @@ from pathlib import Path
 
 import pytest
 from distributed import free_loopback_port
+from ray_cluster import stop_processes_under
 
 pytestmark = pytest.mark.timeout(600)
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 RINGRAY = str(BIN / "ringray")
-
-
-def _stop_processes_under(directory: str) -> None:
-    mine = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            if directory.encode() in cmdline.read_bytes():
-                mine.append(int(cmdline.parent.name))
-        except OSError:
-            continue
-    for pid in mine:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + 10
-    while any(Path(f"/proc/{pid}").exists() for pid in mine) and time.monotonic() < deadline:
-        time.sleep(0.1)
 
 
 def _start_head(temp_dir: str) -> str:
@@ -60,7 +42,7 @@ def _start_head(temp_dir: str) -> str:
         )
         if started.returncode == 0:
             return f"http://127.0.0.1:{dashboard_port}"
-        _stop_processes_under(temp_dir)
+        stop_processes_under(temp_dir)
     raise AssertionError(f"ray start failed twice:\n{started.stdout[-2000:]}\n"
                          f"{started.stderr[-3000:]}")
 
@@ -82,7 +64,7 @@ def ray_head():
                 time.sleep(1)
         yield url
     finally:
-        _stop_processes_under(temp_dir)
+        stop_processes_under(temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 

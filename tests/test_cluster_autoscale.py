@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -25,7 +24,13 @@ from pathlib import Path
 import pytest
 import ray
 from distributed import free_loopback_port
-from ray_cluster import HEALTH_CHECKS, cluster_options, job_options, wait_until
+from ray_cluster import (
+    HEALTH_CHECKS,
+    cluster_options,
+    job_options,
+    stop_processes_under,
+    wait_until,
+)
 
 from ringray.cluster.launch import release, start_controller
 
@@ -74,26 +79,6 @@ def _fake_cluster_config(port: int) -> dict:
     }
 
 
-def _stop_processes_under(directory: str) -> None:
-    """Stop the processes of one Ray cluster: those whose command line names its temporary
-    directory (every Ray process is started with paths under it)."""
-    mine = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            if directory.encode() in cmdline.read_bytes():
-                mine.append(int(cmdline.parent.name))
-        except OSError:  # the process has gone
-            continue
-    for pid in mine:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + 10
-    while any(Path(f"/proc/{pid}").exists() for pid in mine) and time.monotonic() < deadline:
-        time.sleep(0.1)
-
-
 @pytest.fixture()
 def autoscaling_cluster():
     # Short: Unix socket paths under it must stay below the kernel's 108-byte limit.
@@ -115,7 +100,7 @@ def autoscaling_cluster():
         yield
     finally:
         ray.shutdown()
-        _stop_processes_under(temp_dir)
+        stop_processes_under(temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 

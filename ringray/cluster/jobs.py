@@ -39,6 +39,8 @@ STOP_GRACE_SECONDS = 120
 UPLOAD_EXCLUDES = [".venv", "venv", "runs", ".git", "__pycache__", ".pytest_cache",
                    ".ruff_cache", "*.egg-info"]
 TERMINAL = frozenset({"STOPPED", "SUCCEEDED", "FAILED"})
+# How long a submission waits for a freshly started cluster's job agent.
+AGENT_WAIT_SECONDS = 60
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,6 +90,19 @@ class RayJobs:
         overrides = [o for o in overrides if not o.startswith("run_dir=")]
         overrides.append(f"run_dir={run_dir}")
         submission_id = f"ringray-{job_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        deadline = time.monotonic() + AGENT_WAIT_SECONDS
+        while True:
+            try:
+                return self._submit_once(submission_id, spec_path, overrides, run_dir,
+                                         job_name, working_dir)
+            except RuntimeError as exc:
+                # A cluster that has just started answers before its job agent is up.
+                if "No available agent" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(2)
+
+    def _submit_once(self, submission_id: str, spec_path: str, overrides: list[str],
+                     run_dir: str, job_name: str, working_dir: str) -> str:
         return self._client.submit_job(
             entrypoint=train_entrypoint(spec_path, overrides),
             submission_id=submission_id,
