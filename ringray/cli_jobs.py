@@ -35,7 +35,12 @@ def _address_option() -> str:
 
 
 def _jobs(address: str):
+    import logging
+
     from ringray.cluster.jobs import RayJobs
+
+    # Ray's SDK logs every packaging step at INFO; the commands say what matters themselves.
+    logging.getLogger("ray").setLevel(logging.WARNING)
 
     try:
         return RayJobs(address)
