@@ -414,16 +414,9 @@ def train(
 
     Example: ringray train jobs/quickstart.yaml --steps 20 --set train.seq_len=2048
     """
-    from ringray.config import JobSpecError, load_job_spec
-
-    if steps is not None:
-        overrides = [*overrides, f"train.steps={steps}"]
-    try:
-        spec = load_job_spec(spec_path, overrides)
-        train_options = spec.train_options()
-        cluster_options = spec.cluster_options()
-    except JobSpecError as exc:
-        _fail(str(exc).replace("\n", "; "))
+    spec = load_spec(spec_path, overrides, steps=steps)
+    train_options = spec.train_options()
+    cluster_options = spec.cluster_options()
     train_options = replace(
         train_options, run_dir=_absolute(train_options.run_dir),
         checkpoint_path=_absolute(train_options.checkpoint_location),
@@ -439,6 +432,22 @@ def train(
     )
     _write_effective_spec(spec, train_options.run_dir)
     _run_on_ray(train_options, cluster_options, address=address, world=world)
+
+
+def load_spec(spec_path: str, overrides: list[str], *, steps: int | None,
+              check_paths: bool = True):
+    """The validated spec with ``--set`` and ``--steps`` applied, checked as far as
+    `ringray train` needs (its mesh too); a bad one ends the command in one line."""
+    from ringray.config import JobSpecError, load_job_spec
+
+    if steps is not None:
+        overrides = [*overrides, f"train.steps={steps}"]
+    try:
+        spec = load_job_spec(spec_path, overrides, check_paths=check_paths)
+        spec.cluster_options()
+    except JobSpecError as exc:
+        _fail(str(exc).replace("\n", "; "))
+    return spec
 
 
 def _absolute(location: str) -> str:

@@ -24,7 +24,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ringray.cli import _err, _fail, app, train
+from ringray.cli import _err, _fail, app, load_spec, train
 
 ADDRESS_HELP = ("Ray dashboard URL of the cluster (Ray Jobs API), e.g. http://head:8265; "
                 "default: $RAY_API_SERVER_ADDRESS.")
@@ -87,16 +87,9 @@ def submit(
 
     Example: ringray submit jobs/quickstart.yaml --address http://127.0.0.1:8265 --steps 50
     """
-    from ringray.config import JobSpecError, load_job_spec
-
-    if steps is not None:
-        overrides = [*overrides, f"train.steps={steps}"]
-    try:
-        # Paths in the spec are the cluster's (run_dir, checkpoint.path): not checked here.
-        spec = load_job_spec(spec_path, overrides, check_paths=False)
-        spec.cluster_options()
-    except JobSpecError as exc:
-        _fail(str(exc).replace("\n", "; "))
+    # Paths in the spec are the cluster's (run_dir, checkpoint.path): not checked here.
+    spec = load_spec(spec_path, overrides, steps=steps, check_paths=False)
+    overrides = [*overrides, f"train.steps={steps}"] if steps is not None else overrides
     if not Path(spec_path).resolve().is_relative_to(Path.cwd()):
         _fail(f"{spec_path}: the spec must be inside this directory (it is shipped as the "
               f"job's working directory)")

@@ -381,10 +381,12 @@ class JobController:
             return JobState.EVALUATING
         try:
             if time.monotonic() - self._watched_at >= self.cluster.poll_seconds:
-                # Steps shorter than a poll finish before _await looks: look between them.
+                # Steps shorter than a poll finish before wait() looks: look between them,
+                # at most once a poll (a GCS query each, so not after every short step).
                 self._watched_at = time.monotonic()
                 self._watch.check_nodes()
                 self._watch.check_drains(self._drain_decision)
+                self._track_capacity()
                 if self._watch.drain is not None:
                     return JobState.RUNNING
             stats = self._watch.wait([w.run_steps.remote(1) for w in self._workers],
@@ -417,6 +419,9 @@ class JobController:
             self._metrics.recovered(recovered.recovery_seconds)
             self._log(f"recovered from {recovered.reason} in {recovered.recovery_seconds:.1f} s "
                       f"(to the first step done); {recovered.lost_steps} step(s) redone")
+
+    def _track_capacity(self) -> None:
+        """While running smaller than asked, note since when the live nodes hold more."""
         if self._plan is not None and self._plan.dp < self.cluster.dp_max:
             self._larger_since = track_larger_capacity(
                 self._larger_since, current_dp=self._plan.dp,

@@ -122,8 +122,7 @@ class RingWatch:
         then the peer is the cause, and it is what gets reported."""
         time.sleep(self.poll_seconds)
         self.check_nodes()
-        self._check_workers_alive()
-        silent = self.silent_ranks()
+        silent = self.silent_ranks(raise_for_dead=True)
         if silent:  # a peer stopped inside a step: the collective timed out waiting on it
             return Failure(kind=FailureKind.HANG,
                            detail=f"rank {rank}: {_first_line(error)}; rank(s) "
@@ -178,18 +177,6 @@ class RingWatch:
                 detail=f"node(s) {short_nodes(dead)} died, taking rank(s) {_ranks(ranks)}",
             ))
 
-    def _check_workers_alive(self) -> None:
-        probes = [w.health.remote() for w in self.workers]
-        for rank, probe in enumerate(probes):
-            try:
-                ray.get(probe, timeout=PROBE_SECONDS)
-            except ActorUnavailableError:
-                raise FailureSeen(self._settle_lost_contact(rank)) from None
-            except RayActorError as exc:
-                raise FailureSeen(self._actor_death(rank, exc)) from None
-            except GetTimeoutError:
-                pass
-
     def check_drains(self, decide: DrainDecision) -> None:
         """Note a drain of a node holding a rank (once) in :attr:`drain`; raise
         ``preempted`` at once when ``decide`` says there is no time to checkpoint first."""
@@ -209,13 +196,22 @@ class RingWatch:
                                       detail=f"node(s) {short_nodes(draining)} draining; "
                                       f"{decision.why}"))
 
-    def silent_ranks(self) -> list[int]:
-        """Ranks that do not answer a health probe within :data:`PROBE_SECONDS`."""
+    def silent_ranks(self, *, raise_for_dead: bool = False) -> list[int]:
+        """Ranks that do not answer a health probe within :data:`PROBE_SECONDS`; with
+        ``raise_for_dead``, a dead worker raises its failure instead of counting as silent."""
         probes = [w.health.remote() for w in self.workers]
         silent = []
         for rank, probe in enumerate(probes):
             try:
                 ray.get(probe, timeout=PROBE_SECONDS)
+            except ActorUnavailableError:
+                if raise_for_dead:
+                    raise FailureSeen(self._settle_lost_contact(rank)) from None
+                silent.append(rank)
+            except RayActorError as exc:
+                if raise_for_dead:
+                    raise FailureSeen(self._actor_death(rank, exc)) from None
+                silent.append(rank)
             except Exception:
                 silent.append(rank)
         return silent
