@@ -34,6 +34,7 @@ import triton.language as tl
 from ringray.attention.backends.triton_common import (
     KERNEL_LOG2E,
     LOG2E,
+    classify_tile_pair,
     dot_mode,
     mma,
     padded_head_dim,
@@ -66,12 +67,8 @@ def _dkdv_kernel(
                 mask=kv_mask, other=0.0)
     v = tl.load(V + b * svb + kv_h * svh + cols[:, None] * svs + dims[None, :] * svd,
                 mask=kv_mask, other=0.0)
-    k_lo = 0
-    k_hi = 0
     if CAUSAL:
         k_pos = tl.load(KPOS + cols, mask=col_ok, other=0)
-        k_lo = tl.load(KMIN + tile_n)
-        k_hi = tl.load(KMAX + tile_n)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     visited = tl.sum(tl.zeros([1], tl.int32), 0)
@@ -84,10 +81,7 @@ def _dkdv_kernel(
             run = True
             straddles = False
             if CAUSAL:
-                q_lo = tl.load(QMIN + tile_m)
-                q_hi = tl.load(QMAX + tile_m)
-                run = k_lo <= q_hi
-                straddles = k_hi > q_lo
+                run, straddles = classify_tile_pair(QMIN, QMAX, KMIN, KMAX, tile_m, tile_n)
             if run:
                 visited += 1
                 rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -152,22 +146,15 @@ def _dq_kernel(
     lse = tl.load(LSE + b * slb + h * slh + rows * sls, mask=row_ok, other=0.0)
     lse_log2 = tl.where(lse == float("-inf"), 0.0, lse * KERNEL_LOG2E)  # see _dkdv
     delta = tl.load(DELTA + b * sdlb + h * sdlh + rows * sdls, mask=row_ok, other=0.0)
-    q_lo = 0
-    q_hi = 0
     if CAUSAL:
         q_pos = tl.load(QPOS + rows, mask=row_ok, other=-1)
-        q_lo = tl.load(QMIN + tile_m)
-        q_hi = tl.load(QMAX + tile_m)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     visited = tl.sum(tl.zeros([1], tl.int32), 0)
     for tile_n in range(0, num_k_tiles):
         run = True
         straddles = False
         if CAUSAL:
-            k_lo = tl.load(KMIN + tile_n)
-            k_hi = tl.load(KMAX + tile_n)
-            run = k_lo <= q_hi
-            straddles = k_hi > q_lo
+            run, straddles = classify_tile_pair(QMIN, QMAX, KMIN, KMAX, tile_m, tile_n)
         if run:
             visited += 1
             cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -2,6 +2,8 @@
 
 - :func:`mma`: the one matrix multiply both kernels use, ``acc + a @ b`` in float32.
 - :func:`tile_ranges`: the compact position description the kernels classify tiles with.
+- :func:`classify_tile_pair`: the one rule that says which (query, key) tile pairs run, and
+  which of those need the causal mask (forward, dK/dV and dQ all ask it).
 - :func:`dot_mode`: how ``mma`` multiplies for a dtype on a device (see below).
 - :func:`kernels_interpreted`: whether the kernels run in Triton's interpreter (CPU).
 
@@ -40,6 +42,23 @@ def mma(a, b, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def classify_tile_pair(QMIN, QMAX, KMIN, KMAX, tile_m, tile_n):
+    """``(runs, straddles)`` for query tile ``tile_m`` and key tile ``tile_n`` under the
+    causal rule ``q_pos >= k_pos``, from the tiles' position ranges (:func:`tile_ranges`).
+
+    ``runs`` is false when every key comes after every query: the pair is empty, skipped
+    without loading anything. ``straddles`` is true when some (query, key) pair of the two
+    tiles is masked and some is not, so the scores need the per-position mask; a pair that
+    runs and does not straddle is fully visible and computed unmasked.
+    """
+    q_lo = tl.load(QMIN + tile_m)
+    q_hi = tl.load(QMAX + tile_m)
+    k_lo = tl.load(KMIN + tile_n)
+    k_hi = tl.load(KMAX + tile_n)
+    return k_lo <= q_hi, k_hi > q_lo
 
 
 def dot_mode(dtype: torch.dtype, device: torch.device) -> tuple[bool, str]:

@@ -32,6 +32,7 @@ import triton.language as tl
 from ringray.attention.backends.triton_common import (
     LN2,
     LOG2E,
+    classify_tile_pair,
     dot_mode,
     mma,
     padded_head_dim,
@@ -64,12 +65,8 @@ def _forward_kernel(
         Q + b * sqb + h * sqh + rows[:, None] * sqs + dims[None, :] * sqd,
         mask=row_ok[:, None] & dim_ok[None, :], other=0.0,
     )
-    q_lo = 0
-    q_hi = 0
     if CAUSAL:
         q_pos = tl.load(QPOS + rows, mask=row_ok, other=-1)
-        q_lo = tl.load(QMIN + tile_m)
-        q_hi = tl.load(QMAX + tile_m)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -78,10 +75,7 @@ def _forward_kernel(
         run = True
         straddles = False
         if CAUSAL:
-            k_lo = tl.load(KMIN + tile_n)
-            k_hi = tl.load(KMAX + tile_n)
-            run = k_lo <= q_hi  # otherwise every key is after every query: skip the tile
-            straddles = k_hi > q_lo
+            run, straddles = classify_tile_pair(QMIN, QMAX, KMIN, KMAX, tile_m, tile_n)
         if run:
             visited += 1
             cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
