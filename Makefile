@@ -24,8 +24,10 @@ bench: $(STAMP)
 	$(VENV)/bin/ringray bench ring
 	$(VENV)/bin/ringray bench train
 
+## ruff, and the import contracts of pyproject.toml (the layers, Ray only in ringray.cluster).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check ringray tests benchmarks examples
+	$(VENV)/bin/lint-imports --no-cache
 
 ## The end-to-end metrics tests run a real Prometheus, and promtool checks the exporter and the
 ## rules in infra/: Debian's `prometheus` package, installed here when missing. It must not leave

@@ -8,11 +8,18 @@
 Seconds from the death of the node running a CP=2 ring to the first training step completed
 after the restart, how soon the failure was noticed, and the steps done again, for ringray's
 service and for Ray Train v2's ``TorchTrainer`` training the same model with the same
-checkpoints. Ray Train needs the ``bench`` extra (``pip install -e '.[bench]'``). The
-measurement code, and what exactly is measured, is in ``ringray/cluster/recovery_bench.py``.
+checkpoints. Ray Train needs the ``bench`` extra (``pip install -e '.[bench]'``). What
+exactly is measured, and how, is in ``recovery_common.py`` next to this script; ringray's
+side is in ``recovery_ringray.py``, Ray Train's in ``recovery_ray_train.py``.
+
+Everything the Ray processes print (raylet and worker logs, node deaths) goes to
+``<work dir>/ray-output.log``; the terminal shows only the progress lines, the table and
+where that log is. Without ``--work-dir`` the work dir is a new temporary directory that is
+kept, so the log can be read afterwards.
 """
 
 import os
+import sys
 
 # Ray reads these when it is imported (and the nodes started here inherit them): loopback
 # addresses stay as they are, test clusters need no auth token, and Ray Train is v2.
@@ -20,21 +27,83 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ["RAY_AUTH_MODE"] = "disabled"
 os.environ["RAY_TRAIN_V2_ENABLED"] = "1"
 
+# The helper modules sit next to this script (also when it is run as `python -m`).
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+
 import argparse  # noqa: E402
-import contextlib  # noqa: E402
 import json  # noqa: E402
-import sys  # noqa: E402
 import tempfile  # noqa: E402
-from dataclasses import asdict  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
+from dataclasses import asdict, replace  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import TextIO  # noqa: E402
 
-from rich.console import Console  # noqa: E402
-
-from ringray.cluster.recovery_bench import (  # noqa: E402
+from recovery_common import (  # noqa: E402
+    Log,
     RecoveryBenchOptions,
+    RecoveryResult,
+    local_cluster,
     recovery_table,
-    run_recovery_bench,
     summarize,
 )
+from recovery_ray_train import ray_train_missing, run_ray_train  # noqa: E402
+from recovery_ringray import run_ringray  # noqa: E402
+from rich.console import Console  # noqa: E402
+
+RAY_OUTPUT_LOG = "ray-output.log"
+
+
+def run_recovery_bench(
+    options: RecoveryBenchOptions, *, log: Log = print
+) -> list[RecoveryResult]:
+    """Each system ``options.repeats`` times, alternating (so that a shared machine's
+    load drifts over both alike), each run on a fresh local cluster."""
+    systems = [("ringray", run_ringray)]
+    if options.ray_train:
+        missing = ray_train_missing()
+        if missing is None:
+            systems.append(("Ray Train v2", run_ray_train))
+        else:
+            log(missing)
+    results = []
+    for run in range(1, options.repeats + 1):
+        for name, measure in systems:
+            work_dir = Path(options.work_dir) / f"run{run}"
+            log(f"{name}, run {run} of {options.repeats}")
+            with local_cluster(slots_per_node=options.slots_per_node) as nodes:
+                result = measure(options, nodes, work_dir, log)
+            results.append(replace(result, run=run))
+    return results
+
+
+@contextmanager
+def output_to(log_path: Path) -> Iterator[TextIO]:
+    """Point file descriptors 1 and 2 at ``log_path`` (appending) until the block ends, and
+    yield a text stream on the original stderr.
+
+    Redirecting the descriptors, not just ``sys.stdout``, is what silences Ray: its node
+    processes (GCS, raylets, workers) inherit this process's descriptors 1 and 2 when the
+    clusters start them, and its C++ core writes to them directly."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved_out, saved_err = os.dup(1), os.dup(2)
+    terminal = os.fdopen(os.dup(saved_err), "w", buffering=1)
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        yield terminal
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved_out, 1)
+        os.dup2(saved_err, 2)
+        for fd in (saved_out, saved_err, log_fd):
+            os.close(fd)
+        terminal.close()
 
 
 def main() -> None:
@@ -47,7 +116,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1,
                         help="runs of each system, alternating; medians are added")
     parser.add_argument("--work-dir", default=None,
-                        help="where runs, checkpoints and logs go (default: a temporary dir)")
+                        help="where runs, checkpoints and logs go (default: a new temporary "
+                             "dir, kept)")
     parser.add_argument("--skip-ray-train", action="store_true",
                         help="measure ringray alone")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -55,28 +125,35 @@ def main() -> None:
     if args.kill_after >= args.steps:
         parser.error(f"--kill-after ({args.kill_after}) must be below --steps ({args.steps})")
 
-    err = Console(stderr=True)
-    with tempfile.TemporaryDirectory(prefix="ringray-recovery-") as scratch:
-        options = RecoveryBenchOptions(
-            work_dir=args.work_dir or scratch, steps=args.steps, kill_after_step=args.kill_after,
-            checkpoint_interval=args.checkpoint_interval, seq_len=args.seq,
-            ray_train=not args.skip_ray_train, repeats=args.repeat,
-        )
-        # Ray prints node deaths and raylet log tails to stdout: keep them off the results.
-        with contextlib.redirect_stdout(sys.stderr):
-            results = run_recovery_bench(options,
-                                         log=lambda line: err.print(line, highlight=False))
+    work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="ringray-recovery-"))
+    work_dir.mkdir(parents=True, exist_ok=True)
+    log_path = work_dir.resolve() / RAY_OUTPUT_LOG
+    options = RecoveryBenchOptions(
+        work_dir=str(work_dir), steps=args.steps, kill_after_step=args.kill_after,
+        checkpoint_interval=args.checkpoint_interval, seq_len=args.seq,
+        ray_train=not args.skip_ray_train, repeats=args.repeat,
+    )
+    where = f"Ray's output (raylets, workers, node deaths): {log_path}"
+    try:
+        with output_to(log_path) as terminal:
+            err = Console(file=terminal, highlight=False, markup=False)
+            results = run_recovery_bench(options, log=err.print)
+    except BaseException:
+        print(where, file=sys.stderr, flush=True)
+        raise
 
     if args.json:
         json.dump({"options": asdict(options), "results": [asdict(r) for r in results],
                    "medians": [asdict(r) for r in summarize(results)]}, sys.stdout, indent=2)
         sys.stdout.write("\n")
-        return
-    out = Console(width=max(Console().width, 100))  # rich assumes 80 columns off a terminal
-    out.print(recovery_table(results, options))
-    for r in results:
-        if r.note:
-            out.print(f"{r.system} (run {r.run}): {r.note}", highlight=False)
+    else:
+        out = Console(width=max(Console().width, 100))  # rich assumes 80 columns off a tty
+        out.print(recovery_table(results, options))
+        for r in results:
+            if r.note:
+                out.print(f"{r.system} (run {r.run}): {r.note}", highlight=False)
+    sys.stdout.flush()
+    print(where, file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     cluster = parse_cluster("4x8xH100")     # 4 nodes x 8 H100 (NVLink inside, InfiniBand across)
     cluster = custom_cluster(tflops=300, link_gbps=100, memory_gib=24)
+    peak_flops_of("NVIDIA H100 80GB HBM3")  # 989e12: what the trainer's MFU is taken against
 
 Plain data, no imports from the rest of ringray: the figures have one home here.
 """
@@ -49,7 +50,26 @@ ACCELERATORS: dict[str, Accelerator] = {
     # 200Gb/s, one per GPU.
     "A100": Accelerator(name="A100", memory_bytes=80 * GIB, peak_flops=312e12,
                         intra_node_bytes_per_second=300e9, inter_node_bytes_per_second=200e9 / 8),
+    # NVIDIA L40S datasheet: 48GB GDDR6, BF16 733 TFLOPS with sparsity (362 dense), PCIe Gen4
+    # x16 64GB/s bidirectional and no NVLink. There is no standard NIC per card, so both links
+    # are the PCIe figure; give --link-gbps for a real network.
+    "L40S": Accelerator(name="L40S", memory_bytes=48 * GIB, peak_flops=362e12,
+                        intra_node_bytes_per_second=32e9, inter_node_bytes_per_second=32e9),
+    # NVIDIA L4 datasheet: 24GB GDDR6, BF16 242 TFLOPS with sparsity (121 dense), PCIe Gen4 x16
+    # 64GB/s bidirectional; links as for the L40S.
+    "L4": Accelerator(name="L4", memory_bytes=24 * GIB, peak_flops=121e12,
+                      intra_node_bytes_per_second=32e9, inter_node_bytes_per_second=32e9),
 }
+
+
+def peak_flops_of(device_name: str) -> float | None:
+    """The dense bf16 peak of a device named like ``torch.cuda.get_device_name()`` reports it
+    (``"NVIDIA H100 80GB HBM3"``), or ``None`` for one not in :data:`ACCELERATORS`. Longer
+    names are tried first, so an L40S is not taken for an L4."""
+    for key in sorted(ACCELERATORS, key=len, reverse=True):
+        if key in device_name.upper():
+            return ACCELERATORS[key].peak_flops
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,11 +20,12 @@ from pathlib import Path
 
 import ray
 from ray.cluster_utils import Cluster
-from train_cases import tiny_options
+from train_cases import changed, tiny_options
 
-from ringray.cluster.launch import release, start_controller
-from ringray.cluster.options import ClusterOptions
+from ringray.cluster.driver import release, start_controller
+from ringray.cluster.job_options import ClusterOptions, JobOptions
 from ringray.cluster.status import JobStatus
+from ringray.metrics import MetricsOptions
 from ringray.train import TrainOptions
 
 HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
@@ -99,15 +100,17 @@ def stop_processes_under(directory: str) -> None:
         time.sleep(0.1)
 
 
-def job_options(run_dir: str, **overrides) -> TrainOptions:
-    """The tiny two-layer model, 64-token sequences, a checkpoint every 4 steps."""
-    return tiny_options(run_dir, **{"steps": 12, "cp": 2, "checkpoint_interval": 4,
-                                    "checkpoint_keep": 10, **overrides})
+def job_options(run_dir: str, **sections: dict) -> TrainOptions:
+    """The tiny two-layer model on a ring of 2, 64-token sequences, a checkpoint every 4
+    steps; ``sections`` as for ``tiny_options``."""
+    base = tiny_options(run_dir, parallel={"cp": 2}, train={"steps": 12},
+                        checkpoint={"interval": 4, "keep": 10})
+    return changed(base, **sections)
 
 
-def cluster_options(tag: str, name: str, **overrides) -> ClusterOptions:
+def cluster_options(tag: str, **overrides) -> ClusterOptions:
+    """Workers that ask for ``tag`` (only this test's nodes offer it), short timeouts."""
     base = ClusterOptions(
-        job_name=name, cp=2, dp_max=1, dp_min=1,
         worker_resources={"CPU": 1.0, tag: 1.0},
         step_timeout_seconds=60, startup_timeout_seconds=90, capacity_wait_seconds=30,
         poll_seconds=0.2, request_resources=False,
@@ -115,8 +118,12 @@ def cluster_options(tag: str, name: str, **overrides) -> ClusterOptions:
     return replace(base, **overrides)
 
 
-def start_job(train: TrainOptions, cluster: ClusterOptions):
-    controller, reattached = start_controller(train, cluster)
+def start_job(name: str, train: TrainOptions, cluster: ClusterOptions, *,
+              metrics: MetricsOptions | None = None):
+    """A new job's controller (no metrics endpoint unless ``metrics`` asks for one)."""
+    job = JobOptions(name=name, train=train, cluster=cluster,
+                     metrics=metrics or MetricsOptions(port=None))
+    controller, reattached = start_controller(job)
     assert not reattached
     return controller
 

@@ -14,7 +14,7 @@ from ringray.attention.backends import (
     resolve_backend,
 )
 from ringray.attention.backends.sdpa import CPU_CAUSAL_LEAF, causal_quadtree
-from ringray.attention.plan import PieceKind
+from ringray.attention.steps import PieceKind
 
 CPU = torch.device("cpu")
 

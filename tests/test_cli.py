@@ -38,3 +38,15 @@ def test_bench_ring_rejects_bad_flags_with_one_line():
     assert "Traceback" not in result.output
     result = CliRunner().invoke(app, ["bench", "ring", "--heads", "8", "--kv-heads", "3"])
     assert result.exit_code == 2 and "--kv-heads: 3 must divide --heads 8" in result.output
+
+
+def test_train_explains_a_low_overlap_when_ranks_outnumber_cores() -> None:
+    """The quickstart's 4 ranks on a 2-core machine: `ringray train` says why overlap reads
+    low and which cp gives each rank a core; with a core per rank it says nothing."""
+    from ringray.cli.train import oversubscription_note
+
+    note = oversubscription_note(world=4, cores=2, cp=4)
+    assert note is not None
+    assert "4 ranks share 2 CPU core(s)" in note and "--set parallel.cp=2" in note
+    assert oversubscription_note(world=4, cores=8, cp=4) is None
+    assert "--set parallel.cp=1" in oversubscription_note(world=4, cores=2, cp=2)  # dp=2

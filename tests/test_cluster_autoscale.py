@@ -28,11 +28,12 @@ from ray_cluster import (
     HEALTH_CHECKS,
     cluster_options,
     job_options,
+    start_job,
     stop_processes_under,
     wait_until,
 )
 
-from ringray.cluster.launch import release, start_controller
+from ringray.cluster.driver import release
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -120,11 +121,11 @@ def test_job_asks_the_autoscaler_for_its_full_size_and_grows(
         time.sleep(0.5)
     assert _slot_nodes() == 1
 
-    options = job_options(str(tmp_path / "ray"), steps=100_000, dp=2)
-    controller, _ = start_controller(
-        options,
-        cluster_options(TAG, "autoscale", dp_max=2, dp_min=1, request_resources=True,
-                        grow_after_seconds=1, capacity_wait_seconds=60),
+    options = job_options(str(tmp_path / "ray"), parallel={"dp": 2}, train={"steps": 100_000})
+    controller = start_job(
+        "autoscale", options,
+        cluster_options(TAG, dp_min=1, request_resources=True, grow_after_seconds=1,
+                        capacity_wait_seconds=60),
     )
     try:
         status = wait_until(controller, lambda s: s.step >= 1, timeout=120, what="a first step")

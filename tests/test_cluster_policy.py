@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from ringray.cluster.job_options import ClusterOptions, JobOptions
 from ringray.cluster.nodes import worker_slots
-from ringray.cluster.options import ClusterOptions
 from ringray.cluster.policy import (
     CheckpointFirst,
     Failure,
@@ -20,6 +20,8 @@ from ringray.cluster.policy import (
     on_failure,
     track_larger_capacity,
 )
+from ringray.model import model_preset
+from ringray.train import ParallelOptions, TrainOptions
 
 
 @pytest.mark.parametrize("kind", [k for k in FailureKind if k is not FailureKind.PREEMPTED])
@@ -134,11 +136,12 @@ def test_worker_slots_are_set_by_the_scarcest_resource(total, per_worker, slots)
 
 
 def test_actor_resources_split_cpus_gpus_and_custom_resources() -> None:
-    options = ClusterOptions(job_name="j", cp=2, dp_max=1, dp_min=1, accelerator="gpu",
-                             worker_resources={"GPU": 1.0, "CPU": 4.0, "h100": 1.0})
+    train = TrainOptions(model=model_preset("debug"), parallel=ParallelOptions(cp=2))
+    options = JobOptions(name="j", train=train, cluster=ClusterOptions(
+        accelerator="gpu", worker_resources={"GPU": 1.0, "CPU": 4.0, "h100": 1.0}))
     assert options.actor_resources() == {"num_cpus": 4.0, "num_gpus": 1.0,
                                          "resources": {"h100": 1.0}}
-    assert options.process_group_backend == "nccl"
-    cpu = ClusterOptions(job_name="j", cp=2, dp_max=1, dp_min=1)
+    assert options.cluster.process_group_backend == "nccl"
+    cpu = JobOptions(name="j", train=train)
     assert cpu.actor_resources() == {"num_cpus": 1.0, "num_gpus": 0, "resources": {}}
-    assert cpu.process_group_backend == "gloo"
+    assert cpu.cluster.process_group_backend == "gloo"

@@ -28,9 +28,11 @@ from ray_cluster import (
     start_job,
     wait_until,
 )
-from train_cases import rank_run_training, weights_from_checkpoint
+from train_cases import changed, rank_run_training, weights_from_checkpoint
 
-from ringray.cluster.launch import find_controller, start_controller
+from ringray.cluster.driver import find_controller, start_controller
+from ringray.cluster.job_options import JobOptions
+from ringray.metrics import MetricsOptions
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -58,13 +60,13 @@ def _node_id(node) -> str:
 def _uninterrupted_weights(options, tmp_path: Path) -> dict[str, torch.Tensor]:
     """The same training run straight through on plain gloo processes (no Ray)."""
     straight = replace(options, run_dir=str(tmp_path / "straight"))
-    world = (options.dp or 1) * options.cp
+    world = (options.parallel.dp or 1) * options.parallel.cp
     return run_gloo_ranks(world, rank_run_training, [(straight, None)])[0][0]["weights"]
 
 
 def _final_weights(options) -> dict[str, torch.Tensor]:
     """The weights of the run's newest checkpoint, loaded in this process (any dp/cp loads)."""
-    return weights_from_checkpoint(replace(options, dp=1, cp=1))
+    return weights_from_checkpoint(changed(options, parallel={"dp": 1, "cp": 1}))
 
 
 def _assert_same_weights(got: dict, want: dict) -> None:
@@ -90,8 +92,10 @@ def test_rings_are_placed_as_planned(nodes, tmp_path: Path) -> None:
     b = nodes.add_node(tag, slots=2, labels={"zone": "b"})
 
     two_rings = start_job(
-        job_options(str(tmp_path / "rings"), steps=1, dp=2, global_batch=2),
-        cluster_options(tag, "place-rings", dp_max=2, dp_min=2),
+        "place-rings",
+        job_options(str(tmp_path / "rings"), parallel={"dp": 2},
+                    train={"steps": 1, "global_batch": 2}),
+        cluster_options(tag),
     )
     status = finish(two_rings)
     assert status.state == "finished", status.error
@@ -102,8 +106,10 @@ def test_rings_are_placed_as_planned(nodes, tmp_path: Path) -> None:
     assert [w.node_id for w in status.workers] == [r.node_id for r in plan.ranks]
 
     one_ring = start_job(
-        job_options(str(tmp_path / "ring4"), steps=1, cp=4, seq_len=64),
-        cluster_options(tag, "place-ring4", cp=4),
+        "place-ring4",
+        job_options(str(tmp_path / "ring4"), parallel={"cp": 4},
+                    train={"steps": 1, "seq_len": 64}),
+        cluster_options(tag),
     )
     status = finish(one_ring)
     assert status.state == "finished", status.error
@@ -121,8 +127,8 @@ def test_node_death_mid_run_recovers_to_the_uninterrupted_weights(nodes, tmp_pat
     at most one checkpoint interval, and reports the restart with its recovery time."""
     tag = "slot_death"
     first = nodes.add_node(tag, slots=2)
-    options = job_options(str(tmp_path / "ray"), steps=40)
-    controller = start_job(options, cluster_options(tag, "node-death"))
+    options = job_options(str(tmp_path / "ray"), train={"steps": 40})
+    controller = start_job("node-death", options, cluster_options(tag))
     status = wait_until(controller, lambda s: s.step >= 5, timeout=120, what="step 5")
     assert {w.node_id for w in status.workers} == {_node_id(first)}
 
@@ -133,11 +139,11 @@ def test_node_death_mid_run_recovers_to_the_uninterrupted_weights(nodes, tmp_pat
     assert status.state == "finished", status.error
     (restart,) = status.restarts
     assert restart.reason == "node_died"
-    _assert_resumed_from_last_checkpoint(restart, options.checkpoint_interval)
+    _assert_resumed_from_last_checkpoint(restart, options.checkpoint.interval)
     assert restart.recovery_seconds is not None and restart.recovery_seconds > 0
     assert {w.node_id for w in status.workers} == {_node_id(replacement)}
     steps = [line for line in (tmp_path / "ray" / "steps.jsonl").read_text().splitlines()]
-    assert len(steps) == options.steps  # the log was cut back to the restored step
+    assert len(steps) == options.train.steps  # the log was cut back to the restored step
     _assert_same_weights(_final_weights(options), _uninterrupted_weights(options, tmp_path))
 
 
@@ -148,9 +154,9 @@ def test_killed_worker_and_hung_worker_are_recovered(nodes, tmp_path: Path) -> N
     uninterrupted run's weights."""
     tag = "slot_kill"
     nodes.add_node(tag, slots=2)
-    options = job_options(str(tmp_path / "ray"), steps=48)
+    options = job_options(str(tmp_path / "ray"), train={"steps": 48})
     controller = start_job(
-        options, cluster_options(tag, "kill-and-hang", step_timeout_seconds=6)
+        "kill-and-hang", options, cluster_options(tag, step_timeout_seconds=6)
     )
     status = wait_until(controller, lambda s: s.step >= 3, timeout=120, what="step 3")
     os.kill(status.workers[1].pid, signal.SIGKILL)
@@ -174,8 +180,8 @@ def test_killed_worker_and_hung_worker_are_recovered(nodes, tmp_path: Path) -> N
     assert status.state == "finished", status.error
     killed, hung = status.restarts
     assert killed.reason == "actor_died" and hung.reason == "hang"
-    _assert_resumed_from_last_checkpoint(killed, options.checkpoint_interval)
-    _assert_resumed_from_last_checkpoint(hung, options.checkpoint_interval)
+    _assert_resumed_from_last_checkpoint(killed, options.checkpoint.interval)
+    _assert_resumed_from_last_checkpoint(hung, options.checkpoint.interval)
     assert "rank(s) 0 do not answer" in hung.detail
     assert status.failures_used == 2
     _assert_same_weights(_final_weights(options), _uninterrupted_weights(options, tmp_path))
@@ -189,9 +195,9 @@ def test_shrinks_on_node_loss_and_grows_back_once(nodes, tmp_path: Path) -> None
     tag = "slot_elastic"
     nodes.add_node(tag, slots=2, labels={"zone": "a"})
     nodes.add_node(tag, slots=2, labels={"zone": "b"})
-    options = job_options(str(tmp_path / "ray"), steps=400, dp=2)
+    options = job_options(str(tmp_path / "ray"), parallel={"dp": 2}, train={"steps": 400})
     controller = start_job(
-        options, cluster_options(tag, "elastic", dp_max=2, dp_min=1, grow_after_seconds=2)
+        "elastic", options, cluster_options(tag, dp_min=1, grow_after_seconds=2)
     )
     status = wait_until(controller, lambda s: s.step >= 5, timeout=120, what="step 5")
     assert status.dp == 2
@@ -215,10 +221,10 @@ def test_shrinks_on_node_loss_and_grows_back_once(nodes, tmp_path: Path) -> None
     status = finish(controller)
     assert status.state == "finished", status.error
     assert status.resizes == 1 and len(status.restarts) == 1
-    assert status.dp == 2 and grown_at < options.steps
+    assert status.dp == 2 and grown_at < options.train.steps
     logged = [json.loads(line)["step"]
               for line in (tmp_path / "ray" / "steps.jsonl").read_text().splitlines()]
-    assert logged == list(range(1, options.steps + 1))
+    assert logged == list(range(1, options.train.steps + 1))
 
 
 def test_preemption_notice_checkpoints_then_moves(nodes, tmp_path: Path) -> None:
@@ -228,8 +234,8 @@ def test_preemption_notice_checkpoints_then_moves(nodes, tmp_path: Path) -> None
     tag = "slot_drain"
     nodes.add_node(tag, slots=2)
     nodes.add_node(tag, slots=2)
-    options = job_options(str(tmp_path / "ray"), steps=200)
-    controller = start_job(options, cluster_options(tag, "drain", max_failures=0))
+    options = job_options(str(tmp_path / "ray"), train={"steps": 200})
+    controller = start_job("drain", options, cluster_options(tag, max_failures=0))
     status = wait_until(controller, lambda s: s.step >= 5, timeout=120, what="step 5")
     (doomed_id,) = status.plan.rings[0].nodes
     doomed = next(n for n in nodes.nodes if n.node_id == doomed_id)
@@ -256,26 +262,27 @@ def test_controller_outlives_its_driver(nodes, local_cluster, tmp_path: Path) ->
     of starting a second one, and follows it to the end."""
     tag = "slot_detach"
     nodes.add_node(tag, slots=2)
-    options = job_options(str(tmp_path / "ray"), steps=30)
-    cluster = cluster_options(tag, "detached")
+    options = job_options(str(tmp_path / "ray"), train={"steps": 30})
+    job = JobOptions(name="detached", train=options, cluster=cluster_options(tag),
+                     metrics=MetricsOptions(port=None))
     script = tmp_path / "driver.py"
     script.write_text(
         "import pickle, sys, ray\n"
-        "from ringray.cluster.launch import start_controller\n"
-        "train, cluster = pickle.loads(sys.stdin.buffer.read())\n"
+        "from ringray.cluster.driver import start_controller\n"
+        "job = pickle.loads(sys.stdin.buffer.read())\n"
         f"ray.init(address={local_cluster.cluster.address!r}, namespace='ringray')\n"
-        "start_controller(train, cluster)\n"
+        "start_controller(job)\n"
         "print('started', flush=True)\n"
     )
     driver = subprocess.run(
-        [sys.executable, str(script)], input=pickle.dumps((options, cluster)),
+        [sys.executable, str(script)], input=pickle.dumps(job),
         capture_output=True, timeout=120, env={**os.environ, "PYTHONPATH": os.getcwd()},
     )
     assert driver.returncode == 0, driver.stderr.decode()[-2000:]
 
     assert find_controller("detached") is not None
-    controller, reattached = start_controller(options, cluster)  # what `ringray train` does
+    controller, reattached = start_controller(job)  # what `ringray train` does
     assert reattached
     status = finish(controller)
     assert status.state == "finished", status.error
-    assert status.step == options.steps
+    assert status.step == options.train.steps

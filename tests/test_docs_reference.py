@@ -1,5 +1,5 @@
 """The README's job file and CLI references are exactly what the code generates (regenerate
-with ``python -m ringray.config_reference --write README.md``), and the generators cover
+with ``python -m ringray.cli.reference --write README.md``), and the generators cover
 every field and every command."""
 
 from __future__ import annotations
@@ -10,19 +10,17 @@ import pytest
 import typer
 
 from ringray.cli import app
-from ringray.config import JobSpec
-from ringray.config_reference import (
-    CLI_MARKER,
+from ringray.cli.reference import CLI_MARKER, cli_reference, main
+from ringray.spec import JobSpec
+from ringray.spec.reference import (
     JOB_SPEC_MARKER,
-    cli_reference,
     job_spec_reference,
-    main,
     read_block,
     replace_block,
 )
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-REGENERATE = "python -m ringray.config_reference --write README.md"
+REGENERATE = "python -m ringray.cli.reference --write README.md"
 
 
 @pytest.mark.parametrize(("marker", "generate"), [(JOB_SPEC_MARKER, job_spec_reference),

@@ -27,13 +27,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ringray.config import ClusterSpec, JobSpec, load_job_spec
+from ringray.cluster.job_options import ClusterOptions
 from ringray.metrics.catalog import (
     CATALOG,
     CONTROLLER_STATES,
     RESTART_REASONS,
     exported_series_names,
 )
+from ringray.spec import JobSpec, load_job_spec
 
 REPO = Path(__file__).resolve().parents[1]
 INFRA = REPO / "infra"
@@ -229,7 +230,7 @@ def test_ray_nodes_label_their_failure_domain(name):
     from ray._private.label_utils import parse_node_labels_string
 
     config = _load(INFRA / "ray" / name)
-    domain = ClusterSpec().failure_domain
+    domain = ClusterOptions().failure_domain
     for key in ("head_start_ray_commands", "worker_start_ray_commands"):
         (start,) = [cmd for cmd in config[key] if "ray start" in cmd]
         argv = shlex.split(start.replace("$(cat ~/.ringray-zone)", "zone-a"))
@@ -274,7 +275,7 @@ def test_raycluster_autoscales_a_gpu_group():
     assert group["minReplicas"] < group["maxReplicas"]
     worker = _check_pod_template(group["template"])
     assert worker["resources"]["limits"]["nvidia.com/gpu"] == 8
-    domain = ClusterSpec().failure_domain
+    domain = ClusterOptions().failure_domain
     assert group["rayStartParams"]["labels"].startswith(f"{domain}=")
 
 

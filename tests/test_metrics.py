@@ -20,7 +20,7 @@ from ringray.metrics.catalog import (
     metric,
 )
 from ringray.metrics.exporter import JobMetrics
-from ringray.train.stats import StepStats
+from ringray.train.step_stats import StepStats
 
 UNIT_SUFFIXES = ("_seconds", "_bytes", "_ratio", "_total", "_second", "_rate")
 

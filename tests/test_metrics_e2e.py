@@ -18,8 +18,9 @@ import pytest
 from distributed import free_loopback_port
 from ray_cluster import LocalCluster, cluster_options, job_options, start_job, wait_until
 
-from ringray.cluster.launch import release
+from ringray.cluster.driver import release
 from ringray.dashboards import panel_queries
+from ringray.metrics import MetricsOptions
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -91,10 +92,11 @@ def test_every_dashboard_query_returns_data_from_a_real_run(prometheus, tmp_path
     cluster = LocalCluster()
     try:
         cluster.add_node("slot_e2e", slots=4)
-        options = job_options(str(tmp_path / "run"), steps=120, dp=2, global_batch=2,
-                              checkpoint_interval=20)
-        controller = start_job(options, cluster_options(
-            "slot_e2e", "e2e", dp_max=2, dp_min=2, metrics_port=0))
+        options = job_options(str(tmp_path / "run"), parallel={"dp": 2},
+                              train={"steps": 120, "global_batch": 2},
+                              checkpoint={"interval": 20})
+        controller = start_job("e2e", options, cluster_options("slot_e2e"),
+                               metrics=MetricsOptions(port=0))
         try:
             status = wait_until(controller, lambda s: s.metrics_url is not None and s.step >= 1,
                                 timeout=120, what="the metrics endpoint and a first step")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ringray.config import load_job_spec
+from ringray.spec import load_job_spec
 from ringray.train import StepStats
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -26,7 +26,8 @@ def _single_device(tmp_path_factory, global_batch: int) -> dict:
     key = ("single", global_batch)
     if key not in _cache:
         run_dir = str(tmp_path_factory.mktemp("single"))
-        options = tiny_options(run_dir, dp=1, cp=1, global_batch=global_batch)
+        options = tiny_options(run_dir, parallel={"dp": 1, "cp": 1},
+                               train={"global_batch": global_batch})
         _cache[key] = record_steps(options, STEPS)
     return _cache[key]
 
@@ -35,7 +36,8 @@ def _ring(tmp_path_factory, cp: int) -> dict[str, dict]:
     key = ("ring", cp)
     if key not in _cache:
         run_dir = str(tmp_path_factory.mktemp(f"cp{cp}"))
-        runs = [tiny_options(run_dir, dp=1, cp=cp, layout=name) for name in LAYOUTS]
+        runs = [tiny_options(run_dir, parallel={"dp": 1, "cp": cp, "layout": name})
+                for name in LAYOUTS]
         per_rank = run_gloo_ranks(cp, rank_record_steps, runs, STEPS, timeout_seconds=300)
         _cache[key] = per_rank
     return _cache[key]
@@ -66,14 +68,16 @@ def test_context_parallel_equals_single_device(tmp_path_factory, layout: str, cp
 def test_dp2_cp2_equals_single_device(tmp_path) -> None:
     """Two replicas of a 2-rank ring, 4 sequences per step, equal one device on the same 4."""
     want = _single_device_for(tmp_path, global_batch=4)
-    options = tiny_options(str(tmp_path / "dp2cp2"), dp=2, cp=2, global_batch=4)
+    options = tiny_options(str(tmp_path / "dp2cp2"), parallel={"dp": 2, "cp": 2},
+                           train={"global_batch": 4})
     per_rank = run_gloo_ranks(4, rank_record_steps, [options], STEPS, timeout_seconds=300)
     for rank_runs in per_rank:
         _assert_same_training(rank_runs[0], want)
 
 
 def _single_device_for(tmp_path, global_batch: int) -> dict:
-    options = tiny_options(str(tmp_path / "single"), dp=1, cp=1, global_batch=global_batch)
+    options = tiny_options(str(tmp_path / "single"), parallel={"dp": 1, "cp": 1},
+                           train={"global_batch": global_batch})
     return record_steps(options, STEPS)
 
 

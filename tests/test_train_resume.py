@@ -13,6 +13,7 @@ import pytest
 import torch
 from distributed import RanksFailed, run_gloo_ranks
 from train_cases import (
+    changed,
     rank_crash_while_saving,
     rank_run_training,
     tiny_options,
@@ -36,7 +37,7 @@ def test_resume_reaches_the_uninterrupted_weights(tmp_path: Path) -> None:
     """Train 6 steps with a checkpoint every 3; a second run stops after step 4; a third
     resumes from the step-3 checkpoint and ends with weights identical (bit for bit) to the
     uninterrupted run's at step 6. CP=2, zigzag."""
-    options = tiny_options("", steps=6, cp=2, checkpoint_interval=3)
+    options = tiny_options("", parallel={"cp": 2}, train={"steps": 6}, checkpoint={"interval": 3})
     straight = replace(options, run_dir=str(tmp_path / "straight"))
     interrupted = replace(options, run_dir=str(tmp_path / "interrupted"))
     first = run_gloo_ranks(2, rank_run_training, [(straight, None), (interrupted, 4)])
@@ -62,7 +63,7 @@ def test_crash_between_shard_write_and_commit_keeps_the_previous_checkpoint(
     """Rank 1 dies after its step-5 shards are written, before the commit: step 3 stays
     the newest complete checkpoint, the partial one is never loaded, and a restarted job
     resumes from step 3 and finishes (removing the partial one)."""
-    options = tiny_options(str(tmp_path / "run"), steps=6, cp=2)
+    options = tiny_options(str(tmp_path / "run"), parallel={"cp": 2}, train={"steps": 6})
     with pytest.raises(RanksFailed, match=r"ranks \[1\] exited"):
         run_gloo_ranks(2, rank_crash_while_saving, options, timeout_seconds=300)
 
@@ -81,14 +82,15 @@ def test_crash_between_shard_write_and_commit_keeps_the_previous_checkpoint(
 def test_dp2_checkpoint_continues_at_dp1(tmp_path: Path) -> None:
     """A checkpoint written by DP=2 (two processes) loads into DP=1 (this process) and
     training continues to the weights an uninterrupted DP=2 run reaches (1e-5)."""
-    options = tiny_options("", steps=5, dp=2, cp=1, global_batch=4, checkpoint_interval=3)
+    options = tiny_options("", parallel={"dp": 2, "cp": 1}, train={"steps": 5, "global_batch": 4},
+                           checkpoint={"interval": 3})
     straight = replace(options, run_dir=str(tmp_path / "straight"))
     moved = replace(options, run_dir=str(tmp_path / "moved"))
     first = run_gloo_ranks(2, rank_run_training, [(straight, None), (moved, 3)])
     assert first[0][1]["last_step"] == 3
 
-    result = run_training(replace(moved, dp=1), log=lambda _: None)
+    result = run_training(changed(moved, parallel={"dp": 1}), log=lambda _: None)
     assert result.resumed_from == 3 and result.last_step == 5
-    got = weights_from_checkpoint(replace(moved, dp=1))
+    got = weights_from_checkpoint(changed(moved, parallel={"dp": 1}))
     for name, want in first[0][0]["weights"].items():
         torch.testing.assert_close(got[name], want, atol=1e-5, rtol=1e-5, msg=name)

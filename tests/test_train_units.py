@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from ringray.train.mesh import MeshShape, build_mesh, resolve_mesh_shape
 from ringray.train.schedule import learning_rate
-from ringray.train.stats import REPORT_FIELDS, summarize_step
+from ringray.train.step_stats import REPORT_FIELDS, summarize_step
 
 # ---------------------------------------------------------------------------------------------
 # Mesh

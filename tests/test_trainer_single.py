@@ -7,14 +7,15 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from train_cases import tiny_options
+from train_cases import changed, tiny_options
 
 from ringray.train import Trainer
 
 
 def test_trains_on_synthetic_passkey_samples(tmp_path: Path) -> None:
     """data.source 'passkey' packs one retrieval sample per sequence and trains."""
-    trainer = Trainer(tiny_options(str(tmp_path), data_source="passkey", seq_len=256))
+    trainer = Trainer(tiny_options(str(tmp_path), data={"source": "passkey"},
+                                   train={"seq_len": 256}))
     first = trainer.step()
     inputs, _ = trainer.loader.batch(0)
     assert b"pass key" in bytes(t for t in inputs[0].tolist() if t < 256)
@@ -24,8 +25,8 @@ def test_trains_on_synthetic_passkey_samples(tmp_path: Path) -> None:
 def test_trains_on_a_directory_of_text(tmp_path: Path) -> None:
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs/a.txt").write_text("ring attention " * 200)
-    trainer = Trainer(tiny_options(str(tmp_path), data_source="files",
-                                   data_path=str(tmp_path / "docs")))
+    trainer = Trainer(tiny_options(str(tmp_path),
+                                   data={"source": "files", "path": str(tmp_path / "docs")}))
     assert trainer.step().loss > 0
 
 
@@ -33,9 +34,9 @@ def test_trains_on_a_directory_of_text(tmp_path: Path) -> None:
     ("overrides", "message"),
     [
         ({"model": None}, "model.vocab_size: 256 is smaller than the tokenizer's 320"),
-        ({"precision": "fp16"}, "train.precision: 'fp16' is not one of"),
-        ({"dp": 2}, "cp = world size / dp = 1 / 2: not a whole number"),
-        ({"dp": 2, "cp": 1}, "2 × 1 = 2, but the world has 1 rank(s)"),
+        ({"train": {"precision": "fp16"}}, "train.precision: 'fp16' is not one of"),
+        ({"parallel": {"dp": 2}}, "cp = world size / dp = 1 / 2: not a whole number"),
+        ({"parallel": {"dp": 2, "cp": 1}}, "2 × 1 = 2, but the world has 1 rank(s)"),
     ],
 )
 def test_refuses_options_that_cannot_work(tmp_path: Path, overrides: dict, message: str) -> None:
@@ -43,5 +44,5 @@ def test_refuses_options_that_cannot_work(tmp_path: Path, overrides: dict, messa
     if "model" in overrides:
         overrides = {"model": replace(options.model, vocab_size=256)}
     with pytest.raises(ValueError) as info:
-        Trainer(replace(options, **overrides))
+        Trainer(changed(options, **overrides))
     assert message in str(info.value)

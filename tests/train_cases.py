@@ -9,25 +9,44 @@ from dataclasses import replace
 import torch
 
 from ringray.model import model_preset
-from ringray.train import CheckpointStore, OptimizerOptions, Trainer, TrainOptions, run_training
+from ringray.train import (
+    CheckpointStore,
+    OptimizerOptions,
+    ParallelOptions,
+    Trainer,
+    TrainingOptions,
+    TrainOptions,
+    run_training,
+)
 
 TINY_MODEL = model_preset("debug", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128)
 
 
-def tiny_options(run_dir: str, **overrides) -> TrainOptions:
-    """A two-layer model on 64-token sequences of the standard library, float32, SDPA."""
+def tiny_options(run_dir: str, **sections: dict) -> TrainOptions:
+    """A two-layer model on 64-token sequences of the standard library, float32, SDPA.
+
+    ``sections`` change fields section by section, as a job spec would:
+    ``tiny_options(d, parallel={"cp": 2}, train={"steps": 6})``.
+    """
     base = TrainOptions(
         model=TINY_MODEL,
-        seq_len=64,
-        global_batch=2,
-        steps=3,
-        attention_backend="sdpa",
-        precision="fp32",
-        optimizer=OptimizerOptions(lr=1e-2, warmup_steps=1),
-        peak_flops_per_device=1e12,  # a fixed peak: no matmul measurement in tests
+        parallel=ParallelOptions(attention_backend="sdpa"),
+        train=TrainingOptions(
+            seq_len=64, global_batch=2, steps=3, precision="fp32",
+            optimizer=OptimizerOptions(lr=1e-2, warmup_steps=1),
+            peak_tflops_per_device=1.0,  # a fixed peak: no matmul measurement in tests
+        ),
         run_dir=run_dir,
     )
-    return replace(base, **overrides)
+    return changed(base, **sections)
+
+
+def changed(options: TrainOptions, **sections: dict) -> TrainOptions:
+    """``options`` with some fields of some sections replaced (``parallel={"cp": 2}``)."""
+    return replace(options, **{
+        name: replace(getattr(options, name), **fields) if isinstance(fields, dict) else fields
+        for name, fields in sections.items()
+    })
 
 
 def snapshot(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -68,7 +87,7 @@ def rank_run_training(
 def weights_from_checkpoint(options: TrainOptions) -> dict[str, torch.Tensor]:
     """The weights of the newest complete checkpoint, read back through a fresh trainer."""
     store = CheckpointStore(options.checkpoint_location)
-    trainer = Trainer(replace(options, resume=False))
+    trainer = Trainer(changed(options, checkpoint={"resume": False}))
     trainer.load_checkpoint(store, store.latest())
     return snapshot(trainer)
 

@@ -10,7 +10,7 @@ restricted to this rank's queries.
 Forward: at step t this rank holds the K/V block that started on rank (r - t) mod N. The
 next block's send/receive is posted before the step's compute and waited for after it, so
 the transfer hides behind the compute. Each step's pieces (see
-:mod:`ringray.attention.plan`) go to the local kernel and merge into float32 (out, LSE)
+:mod:`ringray.attention.steps`) go to the local kernel and merge into float32 (out, LSE)
 accumulators with the online-softmax rule. A backend with the fused ring-step capability
 (:class:`~ringray.attention.backends.FusedStepBackend`, e.g. ``triton``) instead gets the
 whole block pair with its global positions, once per step, and merges inside its kernel;
@@ -37,8 +37,8 @@ from ringray.attention.backends.common import accumulation_dtype, softmax_delta
 from ringray.attention.comm import PendingExchange, RingComm
 from ringray.attention.layouts import Layout
 from ringray.attention.merge import merge_into
-from ringray.attention.plan import Piece, PieceKind, RankPlan, plan_rank
 from ringray.attention.stats import NULL_TIMER, RingStats, StepTimer
+from ringray.attention.steps import Piece, PieceKind, RankPlan, plan_rank
 from ringray.attention.validation import CheckedCall, agree_across_ranks, check_local
 
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from ringray.attention import RingStats, causal_work, make_layout, ring_attention
 from ringray.attention.comm import RingComm, ring_transfer_seconds
 from ringray.attention.stats import imbalance_ratio, overlap_ratio
-from ringray.bench.launch import run_gloo_ranks
+from ringray.bench.gloo_ranks import run_gloo_ranks
 
 
 @dataclass(frozen=True)

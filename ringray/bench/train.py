@@ -1,9 +1,9 @@
 """``ringray bench train``: tokens/s, MFU, overlap and load imbalance of a training job.
 
-Runs a job spec (default: ``jobs/quickstart.yaml``) for a few steps once per layout, side by
-side in one invocation, on local gloo processes (one per rank of the spec's ``dp × cp``
-mesh, one torch thread each), and reports the median over the measured steps (the first
-``warmup`` steps are dropped). No checkpoints are written.
+Runs a job (the CLI loads its spec, default ``jobs/quickstart.yaml``, once per layout) for a
+few steps per layout, side by side in one invocation, on local gloo processes (one per rank of
+the ``dp × cp`` mesh, one torch thread each), and reports the median over the measured steps
+(the first ``warmup`` steps are dropped). No checkpoints are written.
 
 ``--gpu`` instead runs one process on the current CUDA device: the ``1b`` preset at long
 context (16k by default) with activation checkpointing and bf16 autocast, reporting MFU
@@ -17,10 +17,16 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ringray.bench.launch import run_gloo_ranks
-from ringray.config import load_job_spec
+from ringray.bench.gloo_ranks import run_gloo_ranks
 from ringray.model import model_preset
-from ringray.train import StepStats, Trainer, TrainOptions
+from ringray.train import (
+    CheckpointOptions,
+    ParallelOptions,
+    StepStats,
+    Trainer,
+    TrainingOptions,
+    TrainOptions,
+)
 from ringray.train.trainer import device_peak_flops
 
 
@@ -47,8 +53,8 @@ def summarize(
     return TrainBenchResult(
         layout=layout,
         world=world,
-        seq_len=options.seq_len,
-        global_batch=options.global_batch,
+        seq_len=options.train.seq_len,
+        global_batch=options.train.global_batch,
         tokens_per_second=statistics.median([r.tokens_per_second for r in rows]),
         step_seconds=statistics.median([r.step_seconds for r in rows]),
         mfu=statistics.median(mfus) if mfus else None,
@@ -70,31 +76,31 @@ def _rank_main(rank: int, world: int, runs: list[TrainOptions], steps: int, warm
 
 
 def run_train_bench(
-    config: str, *, layouts: tuple[str, ...], steps: int, warmup: int,
-    overrides: tuple[str, ...] = (),
+    jobs: list[TrainOptions], *, steps: int, warmup: int
 ) -> list[TrainBenchResult]:
-    """Each layout's medians for the job spec at ``config`` (every rank a local process)."""
+    """Each job's medians (every rank a local process); the jobs differ in their layout and
+    share one mesh. No checkpoints are read or written."""
     # One peak for every layout, measured here before the ranks start (one thread, alone):
     # the MFU figures are then comparable side by side. With more ranks than cores, the
     # ceiling is cores / ranks.
     torch.set_num_threads(1)
     peak = device_peak_flops(torch.device("cpu"))
-    runs = []
-    for layout in layouts:
-        spec = load_job_spec(config, [*overrides, f"parallel.layout={layout}"])
-        options = spec.train_options()
-        runs.append(replace(
-            options, resume=False,
-            peak_flops_per_device=options.peak_flops_per_device or peak,
-        ))
-    dp, cp = runs[0].dp, runs[0].cp
+    runs = [
+        replace(
+            options, checkpoint=replace(options.checkpoint, resume=False),
+            train=replace(options.train, peak_tflops_per_device=(
+                options.train.peak_tflops_per_device or peak / 1e12)),
+        )
+        for options in jobs
+    ]
+    dp, cp = runs[0].parallel.dp, runs[0].parallel.cp
     if dp is None or cp is None:
         raise ValueError("parallel: the benchmark needs both dp and cp set in the spec")
     world = dp * cp
     per_rank = run_gloo_ranks(world, _rank_main, runs, steps, warmup, timeout_seconds=3600)
     return [
-        summarize(layout, world, options, stats)
-        for layout, options, stats in zip(layouts, runs, per_rank[0], strict=True)
+        summarize(options.parallel.layout, world, options, stats)
+        for options, stats in zip(runs, per_rank[0], strict=True)
     ]
 
 
@@ -105,8 +111,11 @@ def run_gpu_bench(
     if not torch.cuda.is_available():
         raise ValueError("--gpu: no CUDA device here; this measurement needs a GPU")
     options = TrainOptions(
-        model=model_preset(preset), seq_len=seq_len, global_batch=1, steps=warmup + steps,
-        dp=1, cp=1, precision="bf16", activation_checkpointing=True,
-        run_dir="runs/bench-gpu", resume=False,
+        model=model_preset(preset),
+        parallel=ParallelOptions(dp=1, cp=1),
+        train=TrainingOptions(seq_len=seq_len, global_batch=1, steps=warmup + steps,
+                              precision="bf16", activation_checkpointing=True),
+        checkpoint=CheckpointOptions(resume=False),
+        run_dir="runs/bench-gpu",
     )
     return summarize("single GPU", 1, options, _measure(options, steps, warmup))

@@ -1,6 +1,6 @@
 """The job controller: one Ray actor per job that places, starts, drives and heals its rings.
 
-    controller = start_controller(train_options, cluster_options)   # see ringray.cluster.launch
+    controller = start_controller(job_options)   # see ringray.cluster.driver
     controller.status.remote()       # a JobStatus, any time
     controller.stop.remote()         # checkpoint at the next step boundary and stop
 
@@ -37,8 +37,8 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from ringray.cluster.job_options import JobOptions
 from ringray.cluster.nodes import NODE_ID_LABEL, schedulable_nodes
-from ringray.cluster.options import ClusterOptions
 from ringray.cluster.placement import (
     LinkBandwidths,
     PlacementError,
@@ -58,11 +58,18 @@ from ringray.cluster.policy import (
     on_failure,
     track_larger_capacity,
 )
-from ringray.cluster.status import TERMINAL_STATES, Event, JobState, JobStatus, Restart
+from ringray.cluster.status import (
+    TERMINAL_STATES,
+    Event,
+    JobState,
+    JobStatus,
+    Restart,
+    WorkerHealth,
+)
 from ringray.cluster.watch import CallTimeout, FailureSeen, JobError, RingWatch, short_nodes
-from ringray.cluster.worker import TrainWorker, WorkerHealth
+from ringray.cluster.worker import TrainWorker
 from ringray.metrics.exporter import JobMetrics
-from ringray.train import CheckpointRef, StepStats, TrainOptions
+from ringray.train import CheckpointRef, StepStats
 from ringray.train.loop import StepsLog
 
 _EVENTS_KEPT = 100
@@ -72,12 +79,13 @@ _COLLECTIVE_TIMEOUT_FACTOR = 2
 
 
 class JobController:
-    """The actor class; :func:`ringray.cluster.launch.start_controller` creates it."""
+    """The actor class; :func:`ringray.cluster.driver.start_controller` creates it."""
 
-    def __init__(self, train: TrainOptions, cluster: ClusterOptions) -> None:
-        self.train = train
-        self.cluster = cluster
-        self.run_dir = Path(train.run_dir)
+    def __init__(self, job: JobOptions) -> None:
+        self.job = job
+        self.train = job.train  # TrainOptions: its sections are the job spec's
+        self.cluster = job.cluster
+        self.run_dir = Path(job.train.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.steps_log = StepsLog(self.run_dir / "steps.jsonl")
         self._lock = threading.Lock()
@@ -88,8 +96,9 @@ class JobController:
         self._plan: PlacementPlan | None = None
         self._pg = None
         self._workers: list = []
-        self._watch = RingWatch(poll_seconds=cluster.poll_seconds,
-                                settle_seconds=cluster.startup_timeout_seconds, log=self._log)
+        self._watch = RingWatch(poll_seconds=job.cluster.poll_seconds,
+                                settle_seconds=job.cluster.startup_timeout_seconds,
+                                log=self._log)
         self._worker_health: tuple[WorkerHealth, ...] = ()
         self._watched_at = 0.0  # when nodes and drains were last checked between steps
         self._step = 0
@@ -109,8 +118,8 @@ class JobController:
         self._recovering_from: int | None = None  # index into _restarts awaiting a first step
         self._error: str | None = None
         self._events: list[Event] = []
-        self._metrics = JobMetrics(cluster.job_name)
-        self._metrics.target(cluster.dp_max * cluster.cp)
+        self._metrics = JobMetrics(job.name)
+        self._metrics.target(job.dp_max * job.cp)
         self._metrics.state(self._state.value)
         self._metrics_url = self._serve_metrics()
         self._handlers: dict[JobState, Callable[[], JobState]] = {
@@ -124,9 +133,9 @@ class JobController:
         }
 
     def _serve_metrics(self) -> str | None:
-        if self.cluster.metrics_port is None:
+        if self.job.metrics.port is None:
             return None
-        address, port = self.cluster.metrics_address, self.cluster.metrics_port
+        address, port = self.job.metrics.address, self.job.metrics.port
         try:
             url = self._metrics.serve(address, port)
         except OSError as exc:  # training matters more than its dashboard: go on without
@@ -153,9 +162,9 @@ class JobController:
         with self._lock:
             plan = self._plan
             return JobStatus(
-                job_name=self.cluster.job_name, state=self._state.value, step=self._step,
-                total_steps=self.train.steps, dp=plan.dp if plan else 0,
-                target_dp=self.cluster.dp_max, cp=self.cluster.cp,
+                job_name=self.job.name, state=self._state.value, step=self._step,
+                total_steps=self.train.train.steps, dp=plan.dp if plan else 0,
+                target_dp=self.job.dp_max, cp=self.job.cp,
                 restarts=tuple(self._restarts), failures_used=self._failures_used,
                 resizes=self._resizes, last_stats=self._last_stats,
                 last_checkpoint_step=max(self._saved_steps) if self._saved_steps else (
@@ -208,16 +217,16 @@ class JobController:
 
     # ----------------------------------------------------------------- placing
     def _place(self) -> JobState:
-        cluster, train = self.cluster, self.train
-        options = dp_options(dp_min=cluster.dp_min, dp_max=cluster.dp_max,
-                             global_batch=train.global_batch)
+        job = self.job
+        options = dp_options(dp_min=job.dp_min, dp_max=job.dp_max,
+                             global_batch=job.train.train.global_batch)
         try:
             plan = self._plan_on_live_nodes(options)
         except PlacementError as exc:
             return self._wait_for_capacity(str(exc))
         self._capacity_wait_since = None
-        if plan.dp < cluster.dp_max:
-            self._log(f"running at dp={plan.dp} of {cluster.dp_max}: the live nodes have room "
+        if plan.dp < job.dp_max:
+            self._log(f"running at dp={plan.dp} of {job.dp_max}: the live nodes have room "
                       f"for no more; asking the autoscaler for the full size")
             self._ask_for_full_size()
         with self._lock:
@@ -226,7 +235,7 @@ class JobController:
         return JobState.STARTING
 
     def _plan_on_live_nodes(self, options: tuple[int, ...]) -> PlacementPlan:
-        nodes = schedulable_nodes(worker_resources=self.cluster.worker_resources,
+        nodes = schedulable_nodes(worker_resources=self.job.worker_resources,
                                   avoid=self._avoid)
         bandwidths = LinkBandwidths(**{
             name: value for name, value in (
@@ -235,19 +244,18 @@ class JobController:
             ) if value is not None
         })
         return plan_placement(
-            nodes, cp=self.cluster.cp, dp_options=options,
+            nodes, cp=self.job.cp, dp_options=options,
             failure_domain=self.cluster.failure_domain, bandwidths=bandwidths,
             kv_block_bytes=self._kv_block_bytes(),
         )
 
     def _kv_block_bytes(self) -> int:
         """Bytes of the K/V block one rank passes per layer and ring step, at the target dp."""
-        model, train = self.train.model, self.train
+        model, train = self.train.model, self.train.train
         element = 2 if self.cluster.accelerator == "gpu" else 4
-        local_batch = max(1, train.global_batch // self.cluster.dp_max)
-        head_dim = model.dim // model.n_heads
-        return 2 * local_batch * (train.seq_len // self.cluster.cp) * model.n_kv_heads \
-            * head_dim * element
+        local_batch = max(1, train.global_batch // self.job.dp_max)
+        return 2 * local_batch * (train.seq_len // self.job.cp) * model.n_kv_heads \
+            * model.head_dim * element
 
     def _wait_for_capacity(self, why: str) -> JobState:
         now = time.monotonic()
@@ -264,8 +272,8 @@ class JobController:
 
     def _ask_for_full_size(self) -> None:
         if self.cluster.request_resources:
-            world = self.cluster.dp_max * self.cluster.cp
-            _request_resources([dict(self.cluster.worker_resources)] * world)
+            world = self.job.dp_max * self.job.cp
+            _request_resources([self.job.worker_resources] * world)
 
     # ----------------------------------------------------------------- starting
     def _start(self) -> JobState:
@@ -291,7 +299,8 @@ class JobController:
                 timeout=self.cluster.startup_timeout_seconds,
             )
             restore = self._restore_point()
-            options = replace(self.train, dp=plan.dp, cp=plan.cp)
+            options = replace(self.train, parallel=replace(self.train.parallel, dp=plan.dp,
+                                                           cp=plan.cp))
             steps = self._watch.wait([w.build.remote(options, restore) for w in self._workers],
                                 timeout=self.cluster.startup_timeout_seconds)
         except FailureSeen as seen:
@@ -322,14 +331,14 @@ class JobController:
     def _create_workers(self, plan: PlacementPlan) -> None:
         # From the moment their placement group is asked for, the planned nodes are watched.
         self._watch.track([], tuple(rank.node_id for rank in plan.ranks))
-        bundles = [dict(self.cluster.worker_resources) for _ in plan.ranks]
+        bundles = [self.job.worker_resources for _ in plan.ranks]
         selectors = [{NODE_ID_LABEL: rank.node_id} for rank in plan.ranks]
         self._pg = placement_group(bundles, strategy="PACK", bundle_label_selector=selectors,
-                                   name=f"ringray-{self.cluster.job_name}")
+                                   name=f"ringray-{self.job.name}")
         self._watch.wait([self._pg.ready()], timeout=self.cluster.startup_timeout_seconds,
                     what="the placement group to be reserved")
         actor = ray.remote(TrainWorker)
-        resources = self.cluster.actor_resources()
+        resources = self.job.actor_resources()
         with self._lock:
             self._worker_health = ()  # the new workers are probed once they are up
         self._workers = [
@@ -353,7 +362,7 @@ class JobController:
         )[0]
         if not self._restore_decided:
             self._restore_decided = True
-            self._restore = latest if self.train.resume else None
+            self._restore = latest if self.train.checkpoint.resume else None
         elif latest is not None and latest.step in self._saved_steps:
             self._restore = latest
         return self._restore
@@ -377,7 +386,7 @@ class JobController:
                 return JobState.STOPPED
             self._after_checkpoint = JobState.STOPPED
             return JobState.CHECKPOINTING
-        if self._step >= self.train.steps:
+        if self._step >= self.train.train.steps:
             return JobState.EVALUATING
         try:
             if time.monotonic() - self._watched_at >= self.cluster.poll_seconds:
@@ -398,8 +407,8 @@ class JobController:
             return self._fail_over(Failure(kind=FailureKind.HANG,
                                            detail=f"{exc}; {self._watch.describe_silence()}"))
         self._record_step(stats)
-        interval = self.train.checkpoint_interval
-        if (interval and stats.step % interval == 0) or stats.step >= self.train.steps:
+        interval = self.train.checkpoint.interval
+        if (interval and stats.step % interval == 0) or stats.step >= self.train.train.steps:
             return JobState.CHECKPOINTING
         return JobState.RUNNING
 
@@ -422,15 +431,15 @@ class JobController:
 
     def _track_capacity(self) -> None:
         """While running smaller than asked, note since when the live nodes hold more."""
-        if self._plan is not None and self._plan.dp < self.cluster.dp_max:
+        if self._plan is not None and self._plan.dp < self.job.dp_max:
             self._larger_since = track_larger_capacity(
                 self._larger_since, current_dp=self._plan.dp,
                 feasible_dp=self._feasible_dp(), now=time.monotonic(),
             )
 
     def _feasible_dp(self) -> int:
-        options = dp_options(dp_min=self.cluster.dp_min, dp_max=self.cluster.dp_max,
-                             global_batch=self.train.global_batch)
+        options = dp_options(dp_min=self.job.dp_min, dp_max=self.job.dp_max,
+                             global_batch=self.train.train.global_batch)
         try:
             return self._plan_on_live_nodes(options).dp
         except PlacementError:
@@ -460,23 +469,24 @@ class JobController:
             return self._fail_over(failure)
         if follow_up is not None:
             return follow_up
-        if self._step >= self.train.steps:
+        if self._step >= self.train.train.steps:
             return JobState.EVALUATING
         grow = grow_to(
             current_dp=self._plan.dp, feasible_dp=self._feasible_dp(),
             larger_since=self._larger_since, now=time.monotonic(),
             grow_after_seconds=self.cluster.grow_after_seconds,
-        ) if self._plan.dp < self.cluster.dp_max else None
+        ) if self._plan.dp < self.job.dp_max else None
         if grow is not None:
             self._log(f"growing from dp={self._plan.dp} to dp={grow} at step {self._step}")
             return JobState.RESIZING
         return JobState.RUNNING
 
     def _evaluate(self) -> JobState:
-        passkey = self.train.passkey
-        if passkey.lengths:
-            cells = len(passkey.lengths) * len(passkey.depths) * passkey.samples_per_cell
-            self._log(f"passkey retrieval at lengths {list(passkey.lengths)}")
+        passkey = self.train.eval
+        if passkey.passkey_lengths:
+            cells = (len(passkey.passkey_lengths) * len(passkey.passkey_depths)
+                     * passkey.passkey_samples)
+            self._log(f"passkey retrieval at lengths {list(passkey.passkey_lengths)}")
             try:
                 report = self._watch.wait(
                     [w.evaluate_passkey.remote() for w in self._workers],

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from enum import Enum
 
 from ringray.cluster.placement import PlacementPlan
-from ringray.cluster.worker import WorkerHealth
 from ringray.train import StepStats
 
 
@@ -31,6 +30,17 @@ class JobState(str, Enum):
 
 
 TERMINAL_STATES = frozenset({JobState.FINISHED, JobState.FAILED, JobState.STOPPED})
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerHealth:
+    """The cheap probe: where the worker runs and how far it got."""
+
+    rank: int
+    node_id: str
+    pid: int
+    step: int  # optimizer steps completed (0 before build)
+    busy_seconds: float  # how long the current call has been running; 0 when idle
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,26 +19,15 @@ from __future__ import annotations
 import os
 import socket
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 
 import ray
 import torch.distributed as dist
 
+from ringray.cluster.status import WorkerHealth
 from ringray.data import PasskeyReport
 from ringray.train import CheckpointRef, CheckpointStore, StepStats, Trainer, TrainOptions
 from ringray.train.loop import evaluate_passkey_retrieval
-
-
-@dataclass(frozen=True, kw_only=True)
-class WorkerHealth:
-    """The cheap probe: where the worker runs and how far it got."""
-
-    rank: int
-    node_id: str
-    pid: int
-    step: int  # optimizer steps completed (0 before build)
-    busy_seconds: float  # how long the current call has been running; 0 when idle
 
 
 class TrainWorker:

@@ -21,6 +21,7 @@ from ringray.data.loader import PackedLoader
 from ringray.data.passkey import (
     MIN_FILLER_TOKENS,
     PASSKEY_DIGIT_CHANCE,
+    PASSKEY_DIGITS,
     PASSKEY_FILLER,
     PasskeyCell,
     PasskeyReport,
@@ -32,6 +33,7 @@ from ringray.data.passkey import (
 )
 from ringray.data.sources import (
     SOURCE_KINDS,
+    DataOptions,
     DirectorySource,
     MemorySource,
     PasskeySource,
@@ -44,9 +46,11 @@ from ringray.data.tokenizer import ByteTokenizer
 __all__ = [
     "MIN_FILLER_TOKENS",
     "PASSKEY_DIGIT_CHANCE",
+    "PASSKEY_DIGITS",
     "PASSKEY_FILLER",
     "SOURCE_KINDS",
     "ByteTokenizer",
+    "DataOptions",
     "DirectorySource",
     "MemorySource",
     "PackedLoader",

@@ -40,6 +40,9 @@ PASSKEY_FILLER = (
 MIN_FILLER_TOKENS = 64
 """Least filler a sample must hold, so that ``depth`` still means something."""
 
+PASSKEY_DIGITS = 5
+"""Digits of an evaluation's pass key (the answer a model must retrieve)."""
+
 PASSKEY_DIGIT_CHANCE = 0.1
 """Per-digit accuracy of a model that guesses uniformly among the ten digits."""
 
@@ -341,7 +344,7 @@ def evaluate_passkey(
     depths: Sequence[float],
     samples_per_cell: int,
     seed: int,
-    digits: int = 5,
+    digits: int = PASSKEY_DIGITS,
     batch_size: int = 8,
 ) -> PasskeyReport:
     """Score ``predict`` on passkey samples over ``lengths`` × ``depths``.

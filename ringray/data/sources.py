@@ -20,13 +20,43 @@ import sysconfig
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Annotated, Literal, Protocol
+
+from annotated_types import MinLen
 
 from ringray.data.passkey import make_passkey_sample
 from ringray.data.tokenizer import ByteTokenizer
 
 SOURCE_KINDS = ("stdlib", "files", "passkey")
 """Kinds accepted by :func:`make_source`."""
+
+SourceKind = Literal[SOURCE_KINDS]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataOptions:
+    """What a job trains on (the job spec's ``data`` section); :func:`make_source` builds it."""
+
+    source: SourceKind = "stdlib"
+    """Training text: 'stdlib' (the Python standard library's source files, no setup), 'files'
+    (the .txt/.jsonl files under data.path) or 'passkey' (synthetic passkey-retrieval samples,
+    one per sequence)."""
+    path: Annotated[str, MinLen(1)] | None = None
+    """Local directory of .txt/.jsonl files, read recursively (source 'files' only); must exist
+    where the job is loaded."""
+    seed: int = 0
+    """Document order seed (the loader is deterministic)."""
+
+    def __post_init__(self) -> None:
+        if self.path is not None and "://" in self.path:
+            raise ValueError(f"path: {self.path!r} is a URL; the data loader reads a local "
+                             f"directory")
+        if self.source == "files" and not self.path:
+            raise ValueError("path: required when source is 'files'; give a directory of "
+                             ".txt/.jsonl files")
+        if self.source != "files" and self.path:
+            raise ValueError(f"path: only read when source is 'files' (it is "
+                             f"{self.source!r}); remove it or set source: files")
 
 
 class TokenSource(Protocol):

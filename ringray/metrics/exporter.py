@@ -14,9 +14,14 @@ after a shrink does not linger with its last value.
 
 from __future__ import annotations
 
+import ipaddress
+import re
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Annotated
 
+from annotated_types import Ge, Le
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.exposition import generate_latest
 
@@ -29,9 +34,32 @@ from ringray.metrics.catalog import (
     RING,
     MetricSpec,
 )
-from ringray.train.stats import StepStats
+from ringray.train.step_stats import StepStats
 
 _KINDS = {"gauge": Gauge, "counter": Counter, "histogram": Histogram}
+_HOST_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MetricsOptions:
+    """Where a job's controller serves its metrics (the job spec's ``metrics`` section)."""
+
+    address: str = "127.0.0.1"
+    """IP address or host name the controller serves Prometheus metrics on: loopback by
+    default; 0.0.0.0 lets a cluster's Prometheus scrape the head node."""
+    port: Annotated[int, Ge(0), Le(65535)] | None = 9477
+    """Port of the /metrics endpoint (0: any free port, shown at start; null: no endpoint)."""
+
+    def __post_init__(self) -> None:
+        try:
+            ipaddress.ip_address(self.address)
+            return
+        except ValueError:
+            pass
+        labels = self.address.rstrip(".").split(".")
+        if len(self.address) > 253 or not all(_HOST_LABEL.match(label) for label in labels):
+            raise ValueError(f"address: {self.address!r} is not an IP address or a host name; "
+                             f"e.g. 127.0.0.1, 0.0.0.0 or head.example.com")
 
 
 def _make(spec: MetricSpec, registry: CollectorRegistry):

@@ -3,12 +3,13 @@
     from ringray.model import Transformer, RingContext, model_preset
 """
 
-from ringray.model.config import MODEL_PRESETS, ModelConfig, model_preset
+from ringray.model.config import MODEL_PRESETS, ModelConfig, ModelOptions, model_preset
 from ringray.model.llama import RingContext, Transformer, apply_rotary, rotary_tables
 
 __all__ = [
     "MODEL_PRESETS",
     "ModelConfig",
+    "ModelOptions",
     "RingContext",
     "Transformer",
     "apply_rotary",

@@ -2,6 +2,7 @@
 
     cfg = model_preset("debug")                     # seconds on a CPU
     cfg = model_preset("1b", n_layers=8)            # a preset with overrides
+    cfg = ModelOptions(preset="1b", n_layers=8).build()   # the same, as a job spec says it
 
 Presets go from ``debug`` (trains end to end on CPU in CI) to ``1b`` and ``8b``, whose
 shapes follow the Llama 3.2 1B and Llama 3 8B decoders (defined here, run on GPUs). The
@@ -11,7 +12,10 @@ embedding tables are small and the parameter counts are almost all transformer b
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Annotated, Literal
+
+from annotated_types import Ge, Gt
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,3 +97,37 @@ def model_preset(name: str, **overrides: int | float) -> ModelConfig:
     if name not in MODEL_PRESETS:
         raise ValueError(f"model preset {name!r} is unknown; valid: {sorted(MODEL_PRESETS)}")
     return replace(MODEL_PRESETS[name], **overrides)
+
+
+PresetName = Literal[tuple(MODEL_PRESETS)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelOptions:
+    """Which decoder a job trains (the job spec's ``model`` section): a preset, with any of its
+    shape fields overridden. Unset fields keep the preset's value."""
+
+    preset: PresetName = "debug"
+    """Model shape preset (debug: seconds on a CPU; small; 1b and 8b: Llama 3 block shapes)."""
+    dim: Annotated[int, Ge(1)] | None = None
+    """Hidden size (default: the preset's); a multiple of n_heads with an even head size."""
+    n_layers: Annotated[int, Ge(1)] | None = None
+    """Decoder blocks (default: the preset's)."""
+    n_heads: Annotated[int, Ge(1)] | None = None
+    """Query heads (default: the preset's)."""
+    n_kv_heads: Annotated[int, Ge(1)] | None = None
+    """Key/value heads; n_heads must be a multiple (GQA/MQA)."""
+    ffn_hidden: Annotated[int, Ge(1)] | None = None
+    """SwiGLU hidden size."""
+    rope_theta: Annotated[float, Gt(0)] | None = None
+    """Rotary embedding base."""
+
+    def overrides(self) -> dict[str, int | float]:
+        """The shape fields this job sets, by :class:`ModelConfig` field name."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name != "preset" and getattr(self, f.name) is not None}
+
+    def build(self) -> ModelConfig:
+        """The preset with the overrides (raises ``ValueError`` naming a field that does not
+        fit, e.g. ``dim: 100 is not divisible by n_heads=8 ...``)."""
+        return model_preset(self.preset, **self.overrides())

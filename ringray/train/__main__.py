@@ -2,8 +2,9 @@
 
 Runs one training job from a job spec, in this process or, under
 ``torchrun --nproc-per-node N``, on N ranks (gloo on CPU, NCCL on CUDA). This entry point is
-the edge where the validated spec (``ringray.config``) meets the trainer; the trainer itself
-takes plain options.
+the edge where the validated spec (``ringray.spec``) meets the trainer: the one import of
+the spec inside ``ringray.train``, allowed by name in the layer contracts of pyproject.toml.
+The trainer itself takes plain options.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     is_rank0 = int(os.environ.get("RANK", "0")) == 0
 
-    from ringray.config import JobSpecError, load_job_spec
+    from ringray.spec import JobSpecError, load_job_spec
     from ringray.train.loop import run_training
 
     try:

@@ -18,7 +18,7 @@ from pathlib import Path
 from ringray.data import PasskeyReport, evaluate_passkey
 from ringray.train.checkpoint import CheckpointRef, CheckpointStore
 from ringray.train.options import TrainOptions
-from ringray.train.stats import StepStats
+from ringray.train.step_stats import StepStats
 from ringray.train.trainer import Trainer
 
 Log = Callable[[str], None]
@@ -69,13 +69,13 @@ class StepsLog:
 def evaluate_passkey_retrieval(trainer: Trainer) -> PasskeyReport | None:
     """The job's passkey evaluation (collective: every rank calls it), or ``None`` when the
     options ask for none."""
-    passkey = trainer.options.passkey
-    if not passkey.lengths:
+    options = trainer.options.eval
+    if not options.passkey_lengths:
         return None
     return evaluate_passkey(
         trainer.predict_next_tokens, trainer.tokenizer,
-        lengths=passkey.lengths, depths=passkey.depths,
-        samples_per_cell=passkey.samples_per_cell, seed=passkey.seed,
+        lengths=options.passkey_lengths, depths=options.passkey_depths,
+        samples_per_cell=options.passkey_samples, seed=options.passkey_seed,
     )
 
 
@@ -85,8 +85,8 @@ def run_training(
     stop_after: int | None = None,
     log: Log = print,
 ) -> RunResult:
-    """Train to ``options.steps`` (or stop after step ``stop_after``, as an interrupted run
-    would), checkpointing every ``options.checkpoint_interval`` steps and at the end."""
+    """Train to ``train.steps`` (or stop after step ``stop_after``, as an interrupted run
+    would), checkpointing every ``checkpoint.interval`` steps and at the end."""
     trainer = Trainer(options)
     is_writer = trainer.mesh.rank == 0
     say: Log = log if is_writer else (lambda _: None)
@@ -94,15 +94,15 @@ def run_training(
     if is_writer:
         run_dir.mkdir(parents=True, exist_ok=True)
     store = CheckpointStore(options.checkpoint_location)
-    shape = trainer.mesh.shape
+    shape, train = trainer.mesh.shape, options.train
     say(
         f"ringray: {options.model.num_params() / 1e6:.2f}M-parameter model, "
-        f"dp={shape.dp} × cp={shape.cp} ({options.layout}), seq {options.seq_len}, "
-        f"global batch {options.global_batch}, {options.steps} steps, device {trainer.device}"
+        f"dp={shape.dp} × cp={shape.cp} ({options.parallel.layout}), seq {train.seq_len}, "
+        f"global batch {train.global_batch}, {train.steps} steps, device {trainer.device}"
     )
 
     resumed_from = None
-    if options.resume and (ref := store.latest()) is not None:
+    if options.checkpoint.resume and (ref := store.latest()) is not None:
         trainer.load_checkpoint(store, ref)
         resumed_from = trainer.step_count
         say(f"resumed from {ref.location} (step {resumed_from})")
@@ -111,15 +111,15 @@ def run_training(
         steps_log.truncate(trainer.step_count)
 
     last_stats, checkpoint = None, None
-    end = options.steps if stop_after is None else min(stop_after, options.steps)
-    interval = options.checkpoint_interval
+    end = train.steps if stop_after is None else min(stop_after, train.steps)
+    interval = options.checkpoint.interval
     while trainer.step_count < end:
         last_stats = trainer.step()
         if is_writer:
             steps_log.append(last_stats)
         step = last_stats.step
-        if step == 1 or step % options.log_every == 0 or step == end:
-            say(format_step(last_stats, options.steps))
+        if step == 1 or step % train.log_every == 0 or step == end:
+            say(format_step(last_stats, train.steps))
         if interval and last_stats.step % interval == 0:
             checkpoint = trainer.save_checkpoint(store)
             say(f"checkpoint {checkpoint.location}")
@@ -130,8 +130,8 @@ def run_training(
             say(f"checkpoint {checkpoint.location}")
 
     passkey = None
-    if stop_after is None and options.passkey.lengths:
-        say(f"passkey retrieval at lengths {list(options.passkey.lengths)} ...")
+    if stop_after is None and options.eval.passkey_lengths:
+        say(f"passkey retrieval at lengths {list(options.eval.passkey_lengths)} ...")
         passkey = evaluate_passkey_retrieval(trainer)
         if is_writer:
             (run_dir / "passkey.json").write_text(json.dumps(passkey.to_dict(), indent=2))

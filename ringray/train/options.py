@@ -1,68 +1,211 @@
 """What a :class:`~ringray.train.Trainer` needs to know, as plain frozen dataclasses.
 
-The service edge (``ringray.config.JobSpec``, pydantic, YAML) validates a job and builds these;
-inside the trainer they are trusted. They are usable directly from Python, too:
+Each class is one section of the job spec and the one declaration of its options: type,
+bounds (``Annotated`` markers), default, and the docstring under each field, which the job
+file reference prints. ``ringray.spec`` derives its YAML sections from these classes; inside
+the trainer they are trusted. :class:`TrainOptions` holds one of each, under the section's
+name, so ``options.train.seq_len`` in code is ``train.seq_len`` in a job file::
 
-    options = TrainOptions(model=model_preset("debug"), seq_len=1024, global_batch=4, steps=50)
+    options = TrainOptions(
+        model=model_preset("debug"),
+        parallel=ParallelOptions(cp=4),
+        train=TrainingOptions(seq_len=4096, global_batch=2, steps=50),
+    )
+
+A check of one field's meaning sits in its class's ``__post_init__``; checks across sections
+(a sequence length the layout cannot split over the ring) sit in :class:`TrainOptions`. Both
+raise ``ValueError`` naming the field, so Python callers get the same messages as job files.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Annotated, Literal
 
+import fsspec
+from annotated_types import Ge, Gt, Le, Lt, MinLen
+
+from ringray.attention.backends import BACKENDS
+from ringray.attention.layouts import BUILTIN_LAYOUTS, seq_len_divisor
+from ringray.data import PASSKEY_DIGITS, ByteTokenizer, DataOptions, passkey_min_seq_len
 from ringray.model import ModelConfig
+
+MAX_SEQ_LEN = 1 << 24
+"""16M tokens: sixteen times the longest context in jobs/ (1M). Longer is almost surely a typo
+(an extra zero), and RoPE positions in float32 lose integer precision past 2**24."""
+
+LayoutName = Literal[BUILTIN_LAYOUTS]
+BackendName = Literal[("auto", *BACKENDS)]
+SeqLen = Annotated[int, Ge(2), Le(MAX_SEQ_LEN)]
 
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizerOptions:
     """AdamW with linear warmup then cosine decay to ``min_lr_ratio * lr``."""
 
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 10
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0  # max global L2 norm; 0 disables clipping
+    lr: Annotated[float, Gt(0)] = 3e-3
+    """Peak learning rate (AdamW)."""
+    min_lr_ratio: Annotated[float, Ge(0), Le(1)] = 0.1
+    """Cosine decay floor, as a fraction of lr."""
+    warmup_steps: Annotated[int, Ge(0)] = 10
+    """Linear warmup steps. More than train.steps is allowed (a short smoke run such as
+    --steps 4 then ends inside the warmup, below the peak lr)."""
+    weight_decay: Annotated[float, Ge(0)] = 0.1
+    """AdamW decay on weight matrices."""
+    beta1: Annotated[float, Ge(0), Lt(1)] = 0.9
+    """AdamW beta1."""
+    beta2: Annotated[float, Ge(0), Lt(1)] = 0.95
+    """AdamW beta2."""
+    eps: Annotated[float, Gt(0)] = 1e-8
+    """AdamW epsilon."""
+    grad_clip: Annotated[float, Ge(0)] = 1.0
+    """Max global gradient L2 norm; 0: no clipping."""
 
 
 @dataclass(frozen=True, kw_only=True)
-class PasskeyEvalOptions:
-    """Passkey retrieval at the end of training (no lengths: no evaluation)."""
+class ParallelOptions:
+    """How the ranks split the work (the job spec's ``parallel`` section)."""
 
-    lengths: tuple[int, ...] = ()
-    depths: tuple[float, ...] = (0.1, 0.5, 0.9)
-    samples_per_cell: int = 4
-    seed: int = 1234
+    dp: Annotated[int, Ge(1)] | None = 1
+    """Data-parallel replicas; null: world size / cp (torchrun only)."""
+    cp: Annotated[int, Ge(1)] | None = None
+    """Context-parallel ring size; null: world size / dp (torchrun only)."""
+    layout: LayoutName = "zigzag"
+    """How sequences are split over a ring; train.seq_len and eval.passkey_lengths must split
+    evenly (zigzag: multiples of 2 × cp; contiguous and striped: of cp)."""
+    attention_backend: BackendName = "auto"
+    """Local attention kernel (auto: triton on CUDA when installed, else sdpa)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingOptions:
+    """Steps, batch and optimizer (the job spec's ``train`` section)."""
+
+    steps: Annotated[int, Ge(1)] = 100
+    """Optimizer steps (the schedule's length)."""
+    global_batch: Annotated[int, Ge(1)] = 4
+    """Sequences per step over all data-parallel replicas; a multiple of parallel.dp."""
+    seq_len: SeqLen = 1024
+    """Tokens per sequence (split over the ring by the layout)."""
+    seed: int = 0
+    """Weight initialisation seed."""
+    optimizer: OptimizerOptions = field(default_factory=OptimizerOptions)
+    """AdamW and LR."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """auto: bf16 autocast on CUDA, fp32 on CPU."""
+    activation_checkpointing: bool = False
+    """Recompute each block in the backward pass to save memory."""
+    log_every: Annotated[int, Ge(1)] = 10
+    """Print a progress line every N steps; the first and the last step are always printed,
+    so N > steps prints only those."""
+    peak_tflops_per_device: Annotated[float, Gt(0)] | None = None
+    """Peak TFLOP/s per device for MFU; null: a known GPU's bf16 peak, or a float32 matmul
+    measured at start on CPU."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointOptions:
+    """Where and how often to checkpoint (the job spec's ``checkpoint`` section)."""
+
+    path: Annotated[str, MinLen(1)] | None = None
+    """Directory or fsspec URL (e.g. s3://bucket/job) for checkpoints; every node must reach
+    it. null: <run_dir>/checkpoints."""
+    interval: Annotated[int, Ge(0)] = 0
+    """Steps between checkpoints; 0, or more than train.steps: only the final checkpoint."""
+    keep: Annotated[int, Ge(1)] = 3
+    """Complete checkpoints kept (older ones are deleted)."""
+    resume: bool = True
+    """Resume from the newest complete checkpoint."""
+
+    def __post_init__(self) -> None:
+        if self.path is not None and "://" in self.path:
+            scheme = self.path.split("://", 1)[0]
+            if scheme not in fsspec.available_protocols():
+                raise ValueError(
+                    f"path: {self.path!r} has a URL scheme {scheme!r} that fsspec does not "
+                    f"know; use a local path or one of fsspec's, e.g. s3://, gs://, abfs://, "
+                    f"file://"
+                )
+
+
+Depth = Annotated[float, Ge(0), Le(1)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalOptions:
+    """Passkey retrieval after training (the job spec's ``eval`` section); no lengths: none."""
+
+    passkey_lengths: tuple[SeqLen, ...] = ()
+    """Context lengths for passkey retrieval after training (none: no evaluation); distinct,
+    each split evenly by the layout and long enough for the needle and question."""
+    passkey_depths: tuple[Depth, ...] = (0.1, 0.5, 0.9)
+    """Needle depths, 0 (start) to 1 (end); distinct."""
+    passkey_samples: Annotated[int, Ge(1)] = 4
+    """Samples per (length, depth) cell."""
+    passkey_seed: int = 1234
+    """Seed of the evaluation's samples (the same seed scores the same prompts)."""
+
+    def __post_init__(self) -> None:
+        for name in ("passkey_lengths", "passkey_depths"):
+            values = getattr(self, name)
+            repeats = sorted({v for v in values if values.count(v) > 1})
+            if repeats:
+                raise ValueError(f"{name}: {list(values)} repeats {repeats}; give each value "
+                                 f"once")
+        minimum = passkey_min_seq_len(ByteTokenizer(), PASSKEY_DIGITS)
+        short = [n for n in self.passkey_lengths if n < minimum]
+        if short:
+            raise ValueError(f"passkey_lengths: {short} cannot hold the needle and the "
+                             f"question; use lengths of at least {minimum}")
+        if self.passkey_lengths and not self.passkey_depths:
+            raise ValueError("passkey_depths: [] gives no cells to evaluate; e.g. "
+                             "[0.1, 0.5, 0.9]")
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainOptions:
+    """Everything one training run needs: one options object per job-spec section."""
+
     model: ModelConfig
-    seq_len: int
-    global_batch: int  # sequences per optimizer step, over all data-parallel replicas
-    steps: int
-    dp: int | None = 1  # None: inferred from the world size and cp
-    cp: int | None = None  # None: inferred from the world size and dp
-    layout: str = "zigzag"
-    attention_backend: str = "auto"
-    data_source: str = "stdlib"
-    data_path: str | None = None
-    data_seed: int = 0
-    seed: int = 0  # weight initialisation and the job's RNG
-    optimizer: OptimizerOptions = field(default_factory=OptimizerOptions)
-    precision: str = "auto"  # "auto" (bf16 autocast on CUDA, fp32 on CPU), "fp32", "bf16"
-    activation_checkpointing: bool = False
-    peak_flops_per_device: float | None = None  # None: a known GPU's peak, or measured on CPU
+    data: DataOptions = field(default_factory=DataOptions)
+    parallel: ParallelOptions = field(default_factory=ParallelOptions)
+    train: TrainingOptions = field(default_factory=TrainingOptions)
+    checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
+    eval: EvalOptions = field(default_factory=EvalOptions)
     run_dir: str = "runs/ringray"
-    checkpoint_path: str | None = None  # None: <run_dir>/checkpoints
-    checkpoint_interval: int = 0  # steps between checkpoints; 0: only at the end
-    checkpoint_keep: int = 3
-    log_every: int = 10  # print a progress line every this many steps (rank 0)
-    resume: bool = True  # continue from the newest complete checkpoint when there is one
-    passkey: PasskeyEvalOptions = field(default_factory=PasskeyEvalOptions)
+
+    def __post_init__(self) -> None:
+        train, parallel = self.train, self.parallel
+        if parallel.dp is not None and train.global_batch % parallel.dp:
+            raise ValueError(
+                f"train.global_batch: {train.global_batch} does not split over "
+                f"parallel.dp={parallel.dp} replicas; use a multiple of {parallel.dp}"
+            )
+        if parallel.cp is not None:
+            divisor = seq_len_divisor(parallel.layout, parallel.cp)
+            lengths = [("train.seq_len", train.seq_len)] + [
+                ("eval.passkey_lengths", n) for n in self.eval.passkey_lengths
+            ]
+            for name, length in lengths:
+                if length % divisor:
+                    raise ValueError(
+                        f"{name}: {length} cannot be split by layout {parallel.layout!r} over "
+                        f"cp={parallel.cp} ranks; use a multiple of {divisor}"
+                    )
+        minimum = passkey_min_seq_len(ByteTokenizer(), PASSKEY_DIGITS) + 1
+        if self.data.source == "passkey" and train.seq_len < minimum:
+            raise ValueError(
+                f"train.seq_len: {train.seq_len} is too short for passkey training samples; "
+                f"use at least {minimum} with data.source 'passkey'"
+            )
 
     @property
     def checkpoint_location(self) -> str:
-        return self.checkpoint_path or f"{self.run_dir.rstrip('/')}/checkpoints"
+        """Where this run's checkpoints go: ``checkpoint.path``, else under the run dir."""
+        return self.checkpoint.path or f"{self.run_dir.rstrip('/')}/checkpoints"
+
+    @property
+    def peak_flops_per_device(self) -> float | None:
+        """``train.peak_tflops_per_device`` in FLOP/s (``None``: measure or look it up)."""
+        peak = self.train.peak_tflops_per_device
+        return peak * 1e12 if peak is not None else None

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from ringray.accelerators import peak_flops_of
 from ringray.attention import Layout, RingStats, make_layout
 from ringray.attention.comm import RingComm, ring_transfer_seconds
 from ringray.data import ByteTokenizer, PackedLoader, make_source
@@ -34,10 +35,7 @@ from ringray.train.checkpoint import CheckpointRef, CheckpointStore
 from ringray.train.mesh import Mesh, build_mesh, resolve_mesh_shape
 from ringray.train.options import TrainOptions
 from ringray.train.schedule import learning_rate
-from ringray.train.stats import REPORT_FIELDS, StepStats, summarize_step
-
-# Dense bf16 tensor-core peaks (FLOP/s) of GPUs we know; other devices need a configured peak.
-_GPU_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12}
+from ringray.train.step_stats import REPORT_FIELDS, StepStats, summarize_step
 
 
 def default_device() -> torch.device:
@@ -52,8 +50,7 @@ def device_peak_flops(device: torch.device) -> float | None:
     process's float32 matmul throughput, measured here (the best of five short trials, so a
     busy moment on a shared machine does not lower it)."""
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        return next((peak for key, peak in _GPU_PEAK_FLOPS.items() if key in name), None)
+        return peak_flops_of(torch.cuda.get_device_name(device))
     if device.type != "cpu":
         return None
     size, reps = 512, 10
@@ -86,13 +83,14 @@ class Trainer:
         self.options = options
         self.device = device or default_device()
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        shape = resolve_mesh_shape(world_size=world, dp=options.dp, cp=options.cp)
+        shape = resolve_mesh_shape(world_size=world, dp=options.parallel.dp,
+                                   cp=options.parallel.cp)
         self.layout = self._checked_layout(options, shape.dp, shape.cp)
         self.mesh: Mesh = build_mesh(shape)
         self.ring_stats = RingStats()
         self.ring = RingContext(
             layout=self.layout, rank=self.mesh.cp_rank, group=self.mesh.cp_group,
-            backend=options.attention_backend, stats=self.ring_stats,
+            backend=options.parallel.attention_backend, stats=self.ring_stats,
         )
         self.tokenizer = ByteTokenizer()
         if options.model.vocab_size < self.tokenizer.vocab_size:
@@ -102,41 +100,42 @@ class Trainer:
             )
         self.loader = PackedLoader(
             make_source(
-                options.data_source, options.data_path, seq_len=options.seq_len,
-                seed=options.data_seed,
+                options.data.source, options.data.path, seq_len=options.train.seq_len,
+                seed=options.data.seed,
             ),
             tokenizer=self.tokenizer,
-            seq_len=options.seq_len, global_batch=options.global_batch,
-            dp_rank=self.mesh.dp_rank, dp_size=shape.dp, seed=options.data_seed,
+            seq_len=options.train.seq_len, global_batch=options.train.global_batch,
+            dp_rank=self.mesh.dp_rank, dp_size=shape.dp, seed=options.data.seed,
         )
         # The same seed on every rank: the replicas start from identical weights.
-        torch.manual_seed(options.seed)
+        torch.manual_seed(options.train.seed)
         self.model = Transformer(
-            options.model, activation_checkpointing=options.activation_checkpointing
+            options.model, activation_checkpointing=options.train.activation_checkpointing
         ).to(self.device)
         self.optimizer = self._make_optimizer()
-        self.autocast_dtype = self._autocast_dtype(options.precision)
+        self.autocast_dtype = self._autocast_dtype(options.train.precision)
         self.step_count = 0
         self.peak_flops_per_device = options.peak_flops_per_device or self._agreed_peak()
-        self.flops_per_token = options.model.flops_per_token(options.seq_len, causal=True)
+        self.flops_per_token = options.model.flops_per_token(options.train.seq_len, causal=True)
         self._transfer_seconds_per_byte = self._measure_transfer_rate()
 
     # ----------------------------------------------------------------- setup
     @staticmethod
     def _checked_layout(options: TrainOptions, dp: int, cp: int) -> Layout:
         """The layout of one sequence over the ring, once the batch and length fit the mesh."""
-        if options.global_batch % dp:
+        train = options.train
+        if train.global_batch % dp:
             raise ValueError(
-                f"train.global_batch: {options.global_batch} sequences do not split evenly "
+                f"train.global_batch: {train.global_batch} sequences do not split evenly "
                 f"over dp={dp} replicas (use a multiple of {dp})"
             )
         try:
-            return make_layout(options.layout, cp, options.seq_len)
+            return make_layout(options.parallel.layout, cp, train.seq_len)
         except ValueError as exc:
             raise ValueError(f"train.seq_len: {str(exc).removeprefix('layout: ')}") from None
 
     def _make_optimizer(self) -> torch.optim.AdamW:
-        opt = self.options.optimizer
+        opt = self.options.train.optimizer
         decay = [p for p in self.model.parameters() if p.ndim >= 2]
         no_decay = [p for p in self.model.parameters() if p.ndim < 2]  # norms' gains
         return torch.optim.AdamW(
@@ -175,7 +174,7 @@ class Trainer:
         cfg = self.options.model
         dtype = self.autocast_dtype or torch.float32
         k_block = torch.zeros(
-            self.options.global_batch // self.mesh.shape.dp, self.layout.local_len,
+            self.options.train.global_batch // self.mesh.shape.dp, self.layout.local_len,
             cfg.n_kv_heads, cfg.head_dim, dtype=dtype, device=self.device,
         )
         comm = RingComm(self.mesh.cp_group)
@@ -219,17 +218,18 @@ class Trainer:
         start = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        opt, options = self.options.optimizer, self.options
+        train = self.options.train
+        opt = train.optimizer
         lr = learning_rate(
             self.step_count, lr=opt.lr, warmup_steps=opt.warmup_steps,
-            total_steps=options.steps, min_lr_ratio=opt.min_lr_ratio,
+            total_steps=train.steps, min_lr_ratio=opt.min_lr_ratio,
         )
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.train()
         self.ring_stats.clear()
         inputs, labels = self._local_batch()
-        global_tokens = options.global_batch * options.seq_len
+        global_tokens = train.global_batch * train.seq_len
 
         self.optimizer.zero_grad(set_to_none=True)
         with self._autocast():
@@ -268,10 +268,10 @@ class Trainer:
         every rank of this CP group passes identically (collective over the CP group)."""
         self.model.eval()
         seq_len, cp = tokens.shape[1], self.mesh.shape.cp
-        layout = make_layout(self.options.layout, cp, seq_len)
+        layout = make_layout(self.options.parallel.layout, cp, seq_len)
         ring = RingContext(
             layout=layout, rank=self.mesh.cp_rank, group=self.mesh.cp_group,
-            backend=self.options.attention_backend,
+            backend=self.options.parallel.attention_backend,
         )
         with self._autocast():
             logits = self.model(layout.shard(tokens, self.mesh.cp_rank).to(self.device), ring)
@@ -302,7 +302,7 @@ class Trainer:
 
     def save_checkpoint(self, store: CheckpointStore) -> CheckpointRef:
         """Write and commit a checkpoint of the current step (collective)."""
-        return store.save(self.step_count, self.state_dict(), keep=self.options.checkpoint_keep)
+        return store.save(self.step_count, self.state_dict(), keep=self.options.checkpoint.keep)
 
     def load_checkpoint(self, store: CheckpointStore, ref: CheckpointRef) -> None:
         """Restore weights, optimizer, schedule position, loader position and RNG state."""

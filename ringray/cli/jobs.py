@@ -8,8 +8,7 @@
     ringray resume ringray-quickstart-20261121-101500       # or: ringray resume runs/quickstart
 
 ``--address`` is the Ray dashboard's URL (the Ray Jobs API), and may come from
-``$RAY_API_SERVER_ADDRESS`` as with Ray's own ``ray job`` commands. Registered on the app of
-:mod:`ringray.cli`, which imports this module.
+``$RAY_API_SERVER_ADDRESS`` as with Ray's own ``ray job`` commands.
 """
 
 from __future__ import annotations
@@ -24,7 +23,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ringray.cli import _err, _fail, app, load_spec, train
+from ringray.cli.common import err, fail, first_line, load_spec
+from ringray.cli.train import train
 
 ADDRESS_HELP = ("Ray dashboard URL of the cluster (Ray Jobs API), e.g. http://head:8265; "
                 "default: $RAY_API_SERVER_ADDRESS.")
@@ -45,7 +45,7 @@ def _jobs(address: str):
     try:
         return RayJobs(address)
     except Exception as exc:  # the SDK raises ConnectionError, ValueError, RuntimeError...
-        _fail(f"--address {address}: cannot reach the Ray Jobs API ({_first_line(exc)})")
+        fail(f"--address {address}: cannot reach the Ray Jobs API ({first_line(exc)})")
 
 
 def _call(what: str, fn, *args):
@@ -53,19 +53,13 @@ def _call(what: str, fn, *args):
     try:
         return fn(*args)
     except Exception as exc:
-        _fail(f"{what}: {_first_line(exc)}")
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
-    return lines[-1] if lines else type(exc).__name__
+        fail(f"{what}: {first_line(exc)}")
 
 
 def _when(seconds: float | None) -> str:
     return datetime.fromtimestamp(seconds).strftime("%Y-%m-%d %H:%M:%S") if seconds else "-"
 
 
-@app.command("submit")
 def submit(
     spec_path: str = typer.Argument(..., metavar="SPEC", help="Job spec (YAML)."),
     address: str = _address_option(),
@@ -91,7 +85,7 @@ def submit(
     spec = load_spec(spec_path, overrides, steps=steps, check_paths=False)
     overrides = [*overrides, f"train.steps={steps}"] if steps is not None else overrides
     if not Path(spec_path).resolve().is_relative_to(Path.cwd()):
-        _fail(f"{spec_path}: the spec must be inside this directory (it is shipped as the "
+        fail(f"{spec_path}: the spec must be inside this directory (it is shipped as the "
               f"job's working directory)")
     relative_spec = str(Path(spec_path).resolve().relative_to(Path.cwd()))
     run_dir = run_dir or spec.run_dir or f"~/ringray-runs/{spec.name}"
@@ -102,14 +96,13 @@ def submit(
         json.dump({"submission_id": submission_id, "run_dir": run_dir}, sys.stdout)
         sys.stdout.write("\n")
         return
-    _err.print(f"submitted job {spec.name!r} to {address}; run directory on the cluster: "
+    err.print(f"submitted job {spec.name!r} to {address}; run directory on the cluster: "
                f"{run_dir}", highlight=False)
-    _err.print(f"follow it: ringray logs {submission_id} --follow --address {address}",
+    err.print(f"follow it: ringray logs {submission_id} --follow --address {address}",
                highlight=False)
     print(submission_id)
 
 
-@app.command("list")
 def list_jobs(
     address: str = _address_option(),
     as_json: bool = typer.Option(False, "--json", help="Print the submissions as JSON."),
@@ -133,7 +126,6 @@ def list_jobs(
     Console().print(table)
 
 
-@app.command("status")
 def status(
     submission_id: str = typer.Argument(..., metavar="ID", help="Submission id."),
     address: str = _address_option(),
@@ -163,7 +155,6 @@ def status(
         out.print(f"  last line: {progress}", highlight=False)
 
 
-@app.command("logs")
 def logs(
     submission_id: str = typer.Argument(..., metavar="ID", help="Submission id."),
     address: str = _address_option(),
@@ -185,12 +176,11 @@ def logs(
     except KeyboardInterrupt:
         raise typer.Exit(code=130) from None
     except Exception as exc:
-        _fail(f"{submission_id}: log stream ended ({_first_line(exc)})")
+        fail(f"{submission_id}: log stream ended ({first_line(exc)})")
     final = _call(submission_id, jobs.info, submission_id)
-    _err.print(f"{submission_id}: {final.status}", highlight=False)
+    err.print(f"{submission_id}: {final.status}", highlight=False)
 
 
-@app.command("stop")
 def stop(
     submission_id: str = typer.Argument(..., metavar="ID", help="Submission id."),
     address: str = _address_option(),
@@ -206,22 +196,21 @@ def stop(
     jobs = _jobs(address)
     if not _call(submission_id, jobs.stop, submission_id):
         info = _call(submission_id, jobs.info, submission_id)
-        _err.print(f"{submission_id} had already ended: {info.status}", highlight=False)
+        err.print(f"{submission_id} had already ended: {info.status}", highlight=False)
         return
-    _err.print(f"{submission_id}: stop requested (checkpoint at the next step, then stop)",
+    err.print(f"{submission_id}: stop requested (checkpoint at the next step, then stop)",
                highlight=False)
     if not wait:
         return
     deadline = time.monotonic() + STOP_GRACE_SECONDS + 30
-    with _err.status("waiting for the job to stop..."):
+    with err.status("waiting for the job to stop..."):
         while not (info := _call(submission_id, jobs.info, submission_id)).done:
             if time.monotonic() > deadline:
-                _fail(f"{submission_id}: still {info.status} after {STOP_GRACE_SECONDS + 30} s")
+                fail(f"{submission_id}: still {info.status} after {STOP_GRACE_SECONDS + 30} s")
             time.sleep(1)
-    _err.print(f"{submission_id}: {info.status}", highlight=False)
+    err.print(f"{submission_id}: {info.status}", highlight=False)
 
 
-@app.command("resume")
 def resume(
     run: str = typer.Argument(..., metavar="RUN",
                               help="A run directory (with job.yaml) or a submission id."),
@@ -247,24 +236,24 @@ def resume(
     if run_path.is_dir():
         spec = run_path / "job.yaml"
         if not spec.is_file():
-            _fail(f"{run}: no job.yaml here (a run directory that `ringray train` wrote has one)")
+            fail(f"{run}: no job.yaml here (a run directory that `ringray train` wrote has one)")
         train(spec_path=str(spec), address=None, steps=steps, overrides=overrides)
         return
     if address is None:
-        _fail(f"{run}: not a run directory; for a submission id give --address (the Ray "
+        fail(f"{run}: not a run directory; for a submission id give --address (the Ray "
               f"dashboard URL)")
     jobs = _jobs(address)
     info = _call(run, jobs.info, run)
     if not info.job_name:
-        _fail(f"{run}: not a ringray submission (no ringray metadata)")
+        fail(f"{run}: not a ringray submission (no ringray metadata)")
     if not info.done:
-        _fail(f"{run}: still {info.status}; stop it first (ringray stop {run})")
+        fail(f"{run}: still {info.status}; stop it first (ringray stop {run})")
     previous = [o for o in info.overrides if not o.startswith("train.steps=") or steps is None]
     if steps is not None:
         previous.append(f"train.steps={steps}")
     submission_id = _call(f"--address {address}", lambda: jobs.submit(
         spec_path=info.spec, job_name=info.job_name, overrides=[*previous, *overrides],
         run_dir=info.run_dir))
-    _err.print(f"resubmitted job {info.job_name!r} (from {run}) to continue from its last "
+    err.print(f"resubmitted job {info.job_name!r} (from {run}) to continue from its last "
                f"checkpoint in {info.run_dir}", highlight=False)
     print(submission_id)

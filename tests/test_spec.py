@@ -11,15 +11,24 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from ringray.config import (
+from ringray.cluster.job_options import ClusterOptions
+from ringray.data import DataOptions
+from ringray.model import model_preset
+from ringray.spec import (
     JobSpec,
     JobSpecError,
     apply_overrides,
     load_job_spec,
     parse_job_spec,
 )
-from ringray.model import model_preset
-from ringray.train.options import OptimizerOptions, PasskeyEvalOptions, TrainOptions
+from ringray.train import (
+    CheckpointOptions,
+    EvalOptions,
+    OptimizerOptions,
+    ParallelOptions,
+    TrainingOptions,
+    TrainOptions,
+)
 
 JOBS_DIR = Path(__file__).resolve().parent.parent / "jobs"
 
@@ -63,7 +72,7 @@ def test_unknown_field_is_named(data: dict, needle: str) -> None:
     ("data", "needle"),
     [
         ({"data": {"source": "stdlib", "path": "/data"}},
-         "data.path: only read when data.source is 'files' (it is 'stdlib')"),
+         "data.path: only read when source is 'files' (it is 'stdlib')"),
         # zigzag splits a sequence into 2 * cp chunks.
         ({"parallel": {"cp": 2}, "train": {"seq_len": 6}},
          "train.seq_len: 6 cannot be split by layout 'zigzag' over cp=2 ranks; "
@@ -81,14 +90,14 @@ def test_unknown_field_is_named(data: dict, needle: str) -> None:
         ({"model": {"dim": 130}}, "model.dim: 130 is not divisible by n_heads=4"),
         ({"parallel": {"dp": 3}, "train": {"global_batch": 4}},
          "train.global_batch: 4 does not split over parallel.dp=3 replicas; use a multiple of 3"),
-        ({"data": {"source": "files"}}, "data.path: required when data.source is 'files'; give a "
+        ({"data": {"source": "files"}}, "data.path: required when source is 'files'; give a "
          "directory of .txt/.jsonl files"),
         ({"parallel": {"layout": "spiral"}},
-         "parallel.layout: unknown layout 'spiral'; valid: contiguous, zigzag, striped"),
+         "parallel.layout: 'spiral' is not one of 'contiguous', 'zigzag', 'striped'"),
         ({"parallel": {"attention_backend": "flash"}},
-         "parallel.attention_backend: unknown backend 'flash'; valid: auto, reference, sdpa"),
+         "parallel.attention_backend: 'flash' is not one of 'auto', 'reference', 'sdpa'"),
         ({"model": {"preset": "70b"}},
-         "model.preset: unknown preset '70b'; valid: debug, small, 1b, 8b"),
+         "model.preset: '70b' is not one of 'debug', 'small', '1b', '8b'"),
         ({"data": {"source": "web"}},
          "data.source: 'web' is not one of 'stdlib', 'files', 'passkey'"),
         ({"train": {"optimizer": {"lr": 0}}},
@@ -222,33 +231,24 @@ def test_train_options_maps_every_field() -> None:
     })
     want = TrainOptions(
         model=model_preset("small", n_layers=2, rope_theta=1000.0),
-        seq_len=128,
-        global_batch=6,
-        steps=9,
-        dp=2,
-        cp=2,
-        layout="striped",
-        attention_backend="reference",
-        data_source="files",
-        data_path="/data",
-        data_seed=3,
-        seed=5,
-        optimizer=OptimizerOptions(lr=0.01, min_lr_ratio=0.2, warmup_steps=3, weight_decay=0.0,
-                                   beta1=0.8, beta2=0.9, eps=1e-6, grad_clip=0.5),
-        precision="bf16",
-        activation_checkpointing=True,
-        peak_flops_per_device=312e12,
+        data=DataOptions(source="files", path="/data", seed=3),
+        parallel=ParallelOptions(dp=2, cp=2, layout="striped", attention_backend="reference"),
+        train=TrainingOptions(
+            steps=9, global_batch=6, seq_len=128, seed=5, precision="bf16",
+            activation_checkpointing=True, peak_tflops_per_device=312,
+            optimizer=OptimizerOptions(lr=0.01, min_lr_ratio=0.2, warmup_steps=3,
+                                       weight_decay=0.0, beta1=0.8, beta2=0.9, eps=1e-6,
+                                       grad_clip=0.5),
+        ),
+        checkpoint=CheckpointOptions(path="s3://bucket/job", interval=4, keep=1, resume=False),
+        eval=EvalOptions(passkey_lengths=(192, 256), passkey_depths=(0.5,), passkey_samples=2),
         run_dir="/scratch/run",
-        checkpoint_path="s3://bucket/job",
-        checkpoint_interval=4,
-        checkpoint_keep=1,
-        resume=False,
-        passkey=PasskeyEvalOptions(lengths=(192, 256), depths=(0.5,), samples_per_cell=2),
     )
     got = spec.train_options()
     assert got == want
     assert got.model.dim == 512 and got.model.n_layers == 2  # the preset, overridden
     assert got.checkpoint_location == "s3://bucket/job"
+    assert got.peak_flops_per_device == 312e12
 
 
 def test_train_options_defaults() -> None:
@@ -258,7 +258,8 @@ def test_train_options_defaults() -> None:
     assert options.checkpoint_location == "runs/quick/checkpoints"
     assert options.peak_flops_per_device is None
     assert options.model == model_preset("debug")
-    assert options.optimizer == OptimizerOptions()
+    assert options.train == TrainingOptions()
+    assert options.parallel == ParallelOptions()
 
 
 def test_job_files_validate() -> None:
@@ -270,7 +271,7 @@ def test_job_files_validate() -> None:
         try:
             spec = load_job_spec(path, check_paths=False)
             spec.train_options()
-            spec.cluster_options()
+            spec.job_options()
             if spec.cluster.accelerator == "cpu":
                 load_job_spec(path)
         except (JobSpecError, ValueError) as exc:
@@ -278,7 +279,7 @@ def test_job_files_validate() -> None:
     assert failures == []
 
 
-def test_cluster_options_map_the_cluster_section() -> None:
+def test_job_options_map_the_cluster_section() -> None:
     """`ringray train` needs an explicit mesh; the elastic floor defaults to the fixed size;
     a GPU job's workers ask for one GPU each unless the spec says otherwise."""
     spec = parse_job_spec({
@@ -287,26 +288,27 @@ def test_cluster_options_map_the_cluster_section() -> None:
                     "step_timeout_seconds": 90, "grow_after_seconds": 30,
                     "failure_domain": "rack", "inter_node_gbps": 400},
     })
-    options = spec.cluster_options()
-    assert (options.job_name, options.cp, options.dp_max, options.dp_min) == ("big", 8, 4, 2)
-    assert options.worker_resources == {"GPU": 1.0}
-    assert options.process_group_backend == "nccl"
-    assert (options.max_failures, options.step_timeout_seconds) == (5, 90)
-    assert (options.grow_after_seconds, options.failure_domain) == (30, "rack")
-    assert options.inter_node_gbps == 400 and options.intra_node_gbps is None
+    job = spec.job_options()
+    assert (job.name, job.cp, job.dp_max, job.dp_min) == ("big", 8, 4, 2)
+    assert job.worker_resources == {"GPU": 1.0}
+    assert job.cluster == ClusterOptions(
+        accelerator="gpu", dp_min=2, max_failures=5, step_timeout_seconds=90,
+        grow_after_seconds=30, failure_domain="rack", inter_node_gbps=400,
+    )
+    assert job.cluster.process_group_backend == "nccl"
 
-    fixed = parse_job_spec({"parallel": {"dp": 2, "cp": 2}}).cluster_options()
+    fixed = parse_job_spec({"parallel": {"dp": 2, "cp": 2}}).job_options()
     assert (fixed.dp_min, fixed.dp_max, fixed.worker_resources) == (2, 2, {"CPU": 1.0})
     custom = parse_job_spec({"parallel": {"cp": 2},
                              "cluster": {"worker_resources": {"CPU": 2, "big_mem": 1}}})
-    assert custom.cluster_options().worker_resources == {"CPU": 2.0, "big_mem": 1.0}
+    assert custom.job_options().worker_resources == {"CPU": 2.0, "big_mem": 1.0}
 
 
 @pytest.mark.parametrize("field", ["dp", "cp"])
-def test_cluster_options_need_an_explicit_mesh(field: str) -> None:
+def test_job_options_need_an_explicit_mesh(field: str) -> None:
     spec = parse_job_spec({"parallel": {"dp": 1, "cp": 2, field: None}})
     with pytest.raises(JobSpecError, match=f"parallel.{field}: required by `ringray train`"):
-        spec.cluster_options()
+        spec.job_options()
 
 
 def test_yaml_is_read_strictly(tmp_path: Path) -> None:
@@ -365,4 +367,4 @@ def test_intervals_longer_than_the_run_are_allowed() -> None:
     spec = parse_job_spec({"train": {"steps": 5, "log_every": 50,
                                      "optimizer": {"warmup_steps": 10}},
                            "checkpoint": {"interval": 100}})
-    assert spec.train_options().checkpoint_interval == 100
+    assert spec.train_options().checkpoint.interval == 100

@@ -1,12 +1,14 @@
 """Will a job fit its cluster, and can its ring hide communication? (``ringray plan``)
 
     cluster = parse_cluster("4x8xH100")              # ringray.accelerators; or custom_cluster
-    report = plan_job(load_job_spec("jobs/llama-8b-1m-64xh100.yaml"), cluster)
+    spec = load_job_spec("jobs/llama-8b-1m-64xh100.yaml")
+    report = plan_job(spec.train_options(), cluster, name=spec.name)
     print(report.format())                           # report.to_dict() for --json
     report.fits                                      # the verdict
 
-Pure arithmetic over the job spec (no devices, no tensors). The accounting follows what this
-project's trainer (:mod:`ringray.train.trainer`) actually allocates, term by term:
+Pure arithmetic over a job's training options (no devices, no tensors). The accounting
+follows what this project's trainer (:mod:`ringray.train.trainer`) actually allocates, term
+by term:
 
 - **Weights, gradients, optimizer.** The trainer keeps float32 weights and float32 gradients,
   and ``torch.optim.AdamW`` two float32 moments: 4 + 4 + 8 bytes per parameter. With bf16
@@ -44,8 +46,8 @@ from ringray.accelerators import (  # noqa: F401 - ACCELERATORS and parse_cluste
     parse_cluster,
 )
 from ringray.attention.layouts import seq_len_divisor
-from ringray.config import JobSpec
 from ringray.model import ModelConfig
+from ringray.train import TrainOptions
 
 MEMORY_RESERVE_RATIO = 0.10
 """Share of device memory left for what the accounting does not count (see module doc)."""
@@ -79,10 +81,11 @@ class PlanInputs:
         return 2 if self.bf16 else 4
 
     @classmethod
-    def from_spec(cls, spec: JobSpec, cluster: ClusterShape) -> PlanInputs:
+    def from_options(cls, options: TrainOptions, cluster: ClusterShape, *,
+                     name: str) -> PlanInputs:
         """Resolve dp/cp (one may be null: inferred from the cluster's size) and precision
         (``auto`` is bf16: the plan is for accelerators)."""
-        dp, cp, total = spec.parallel.dp, spec.parallel.cp, cluster.total_devices
+        dp, cp, total = options.parallel.dp, options.parallel.cp, cluster.total_devices
         if dp is None or cp is None:
             missing, known = ("cp", "dp") if cp is None else ("dp", "cp")
             known_value = dp if cp is None else cp
@@ -93,11 +96,12 @@ class PlanInputs:
                 raise PlanError(f"parallel.{missing}: null, and it cannot be inferred ({why}); "
                                 f"give a number, e.g. --set parallel.{missing}=8")
             dp, cp = (dp, total // dp) if cp is None else (total // cp, cp)
+        train = options.train
         return cls(
-            name=spec.name, model=spec.model.build(), seq_len=spec.train.seq_len,
-            global_batch=spec.train.global_batch, dp=dp, cp=cp, layout=spec.parallel.layout,
-            bf16=spec.train.precision != "fp32",
-            activation_checkpointing=spec.train.activation_checkpointing,
+            name=name, model=options.model, seq_len=train.seq_len,
+            global_batch=train.global_batch, dp=dp, cp=cp, layout=options.parallel.layout,
+            bf16=train.precision != "fp32",
+            activation_checkpointing=train.activation_checkpointing,
         )
 
 
@@ -489,6 +493,6 @@ def plan(inputs: PlanInputs, cluster: ClusterShape) -> PlanReport:
     )
 
 
-def plan_job(spec: JobSpec, cluster: ClusterShape) -> PlanReport:
-    """:func:`plan` for a validated job spec."""
-    return plan(PlanInputs.from_spec(spec, cluster), cluster)
+def plan_job(options: TrainOptions, cluster: ClusterShape, *, name: str) -> PlanReport:
+    """:func:`plan` for a job's training options (``name``: the job's, for the report)."""
+    return plan(PlanInputs.from_options(options, cluster, name=name), cluster)

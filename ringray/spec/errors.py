@@ -5,7 +5,7 @@ rewritten as one line per problem that names the field, the bad value and what w
     message = format_validation_error(exc, JobSpec)
     # train.steps: 'ten' is not an integer; e.g. 100
 
-Used by :mod:`ringray.config`; nothing here knows the spec's fields except through the
+Used by :mod:`ringray.spec`; nothing here knows the spec's fields except through the
 pydantic model it is given.
 """
 
@@ -83,12 +83,30 @@ def field_path(loc: tuple) -> str:
 
 
 def _unwrap(annotation: object) -> list[object]:
-    """The non-None members of an annotation (``int | None`` -> ``[int]``)."""
+    """The non-None members of an annotation, without their ``Annotated`` markers
+    (``Annotated[int, Ge(1)] | None`` -> ``[int]``)."""
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return [a for a in typing.get_args(annotation) if a is not type(None)]
+        return [m for a in typing.get_args(annotation) if a is not type(None)
+                for m in _unwrap(a)]
     if typing.get_origin(annotation) is typing.Annotated:
         return _unwrap(typing.get_args(annotation)[0])
     return [annotation]
+
+
+def _markers(info: FieldInfo) -> list[object]:
+    """A field's constraint markers: pydantic's own, and those inside ``Annotated`` members of
+    its annotation (``Annotated[int, Ge(0), Le(65535)] | None``)."""
+    found = list(info.metadata)
+    pending = [info.annotation]
+    while pending:
+        annotation = pending.pop()
+        origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+        if origin is typing.Annotated:
+            found.extend(args[1:])
+            pending.append(args[0])
+        elif origin in (typing.Union, types.UnionType):
+            pending.extend(args)
+    return found
 
 
 def _lookup(root: type[BaseModel], loc: tuple) -> tuple[type[BaseModel] | None, FieldInfo | None]:
@@ -165,7 +183,7 @@ def _describe(error: dict, root: type[BaseModel]) -> str:
         side = "small" if key in ("gt", "ge") else "large"
         valid = _bound(ctx, key, integer)
         if info is not None and section is None:  # both bounds, when the field has two
-            bounds = [m for m in info.metadata if hasattr(m, "le") or hasattr(m, "lt")
+            bounds = [m for m in _markers(info) if hasattr(m, "le") or hasattr(m, "lt")
                       or hasattr(m, "ge") or hasattr(m, "gt")]
             low = next((b for b in bounds if getattr(b, "ge", None) is not None), None)
             high = next((b for b in bounds if getattr(b, "le", None) is not None), None)

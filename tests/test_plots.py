@@ -14,8 +14,8 @@ import pytest
 from typer.testing import CliRunner
 
 from ringray.cli import app
-from ringray.report import ReportError, read_restart_steps, read_steps, write_report
-from ringray.train.stats import StepStats
+from ringray.plots import ReportError, read_restart_steps, read_steps, write_report
+from ringray.train.step_stats import StepStats
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 NAMES = ["loss", "tokens_per_second", "overlap", "load_imbalance", "overview"]

@@ -3,7 +3,7 @@
     paths = write_report("runs/quickstart")          # runs/quickstart/report/*.png
     paths = write_report("runs/quickstart", "plots")  # somewhere else
 
-Reads the run directory's ``steps.jsonl`` (one :class:`ringray.train.stats.StepStats` per
+Reads the run directory's ``steps.jsonl`` (one :class:`ringray.train.step_stats.StepStats` per
 line) and writes one plot per question (loss, tokens/s, overlap, load imbalance against the
 step) and an overview with all four. Overlap and imbalance show the job's worst ring and,
 when the job has several rings, each ring. Where ``events.jsonl`` says the workers were

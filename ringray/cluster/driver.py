@@ -1,7 +1,7 @@
 """The driver's side of a job: connect to Ray, start (or reattach to) the controller, follow it.
 
     connect(address=None, local_cpus=4)            # None: an embedded single-node Ray
-    controller, reattached = start_controller(train_options, cluster_options)
+    controller, reattached = start_controller(job_options)      # a JobOptions
     final = follow(controller, on_status=print)    # a JobStatus once the job has ended
     release(controller)
 
@@ -20,9 +20,8 @@ from collections.abc import Callable
 import ray
 
 from ringray.cluster.controller import JobController
-from ringray.cluster.options import ClusterOptions
+from ringray.cluster.job_options import JobOptions
 from ringray.cluster.status import JobStatus
-from ringray.train import TrainOptions
 
 NAMESPACE = "ringray"
 # Ray's built-in resource on the head node: a sliver of it pins the controller there.
@@ -56,21 +55,21 @@ def find_controller(job_name: str):
         return None
 
 
-def start_controller(train: TrainOptions, cluster: ClusterOptions) -> tuple[object, bool]:
+def start_controller(job: JobOptions) -> tuple[object, bool]:
     """The job's controller, started (or reattached when one is still running): the handle
     and whether it was a reattachment. A controller of the same name whose job has ended is
     replaced."""
-    existing = find_controller(cluster.job_name)
+    existing = find_controller(job.name)
     if existing is not None:
         status: JobStatus = ray.get(existing.status.remote())
         if not status.done:
             return existing, True
         ray.kill(existing)
     handle = ray.remote(JobController).options(
-        name=controller_name(cluster.job_name), namespace=NAMESPACE, lifetime="detached",
+        name=controller_name(job.name), namespace=NAMESPACE, lifetime="detached",
         max_concurrency=4,  # status() and stop() answer while the machine's thread works
         num_cpus=0, resources={_HEAD_NODE_RESOURCE: 0.001}, max_restarts=0,
-    ).remote(train, cluster)
+    ).remote(job)
     ray.get(handle.start.remote())
     return handle, False
 

@@ -15,10 +15,7 @@ import torch.nn.functional as F
 from typer.testing import CliRunner
 
 from ringray.attention import make_layout
-from ringray.cli import app
-from ringray.config import load_job_spec, parse_job_spec
-from ringray.model import RingContext, Transformer, model_preset
-from ringray.plan import (
+from ringray.capacity import (
     ACCELERATORS,
     GIB,
     PlanError,
@@ -34,9 +31,21 @@ from ringray.plan import (
     plan_job,
     ring_buffer_bytes_per_token,
 )
+from ringray.cli import app
+from ringray.model import RingContext, Transformer, model_preset
+from ringray.spec import load_job_spec, parse_job_spec
 
 JOB_1B = "jobs/llama-1b-128k-h100.yaml"
 JOB_8B = "jobs/llama-8b-1m-64xh100.yaml"
+
+def _plan(spec, cluster):
+    """``ringray plan`` for a spec: its training options, under its name."""
+    return plan_job(spec.train_options(), cluster, name=spec.name)
+
+
+def _inputs(spec, cluster):
+    return PlanInputs.from_options(spec.train_options(), cluster, name=spec.name)
+
 
 
 def small_inputs(**changes) -> PlanInputs:
@@ -161,7 +170,7 @@ def test_1b_job_fits_one_h100_node():
     = 283164 B/token x 131072 tokens = 34.57 GiB of activations. Overlap on NVLink (450 GB/s
     one way): F/B = 989e12 / 450e9 = 2197.8; backward 2197.8 * 8 * 6 / (5 * 0.5 * 32) = 1318.7
     -> 1319 tokens, far below the 16384-token block."""
-    report = plan_job(load_job_spec(JOB_1B), parse_cluster("1x8xH100"))
+    report = _plan(load_job_spec(JOB_1B), parse_cluster("1x8xH100"))
     cfg = report.inputs.model
     assert layer_activation_bytes_per_token(cfg, bf16=True) == 129160
     assert head_activation_bytes_per_token(cfg, bf16=True) == 22932
@@ -183,7 +192,7 @@ def test_8b_job_does_not_fit_replicated_weights():
     < the 32768-token block (hidden). But the trainer replicates fp32 weights (4 B), their
     bf16 copies (2 B per matmul parameter), gradients (4 B) and AdamW (8 B) on every GPU:
     about 117 GiB for 6.98B parameters, over the 72 GiB usable whatever cp is."""
-    report = plan_job(load_job_spec(JOB_8B), parse_cluster("8x8xH100"))
+    report = _plan(load_job_spec(JOB_8B), parse_cluster("8x8xH100"))
     params = report.inputs.model.num_params()
     assert report.overlap.link == "InfiniBand"
     assert report.overlap.threshold_tokens == 11868 and report.overlap.hidden
@@ -198,10 +207,10 @@ def test_8b_job_does_not_fit_replicated_weights():
 
 def test_cluster_size_and_inferred_cp():
     spec = load_job_spec(JOB_1B, ["parallel.cp=null"])
-    assert PlanInputs.from_spec(spec, parse_cluster("2x8xH100")).cp == 16
+    assert _inputs(spec, parse_cluster("2x8xH100")).cp == 16
     with pytest.raises(PlanError, match=r"parallel\.cp: null, and it cannot be inferred"):
-        PlanInputs.from_spec(spec, custom_cluster(tflops=1, link_gbps=1, memory_gib=1))
-    report = plan_job(load_job_spec(JOB_1B), parse_cluster("1x4xH100"))
+        _inputs(spec, custom_cluster(tflops=1, link_gbps=1, memory_gib=1))
+    report = _plan(load_job_spec(JOB_1B), parse_cluster("1x4xH100"))
     assert not report.fits and "dp 1 x cp 8 = 8 devices, the cluster has 4" in report.verdict
 
 
@@ -222,7 +231,7 @@ def test_plan_json_matches_the_report():
     result = CliRunner().invoke(app, ["plan", JOB_1B, "--cluster", "1x8xH100", "--json"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
-    report = plan_job(load_job_spec(JOB_1B), parse_cluster("1x8xH100"))
+    report = _plan(load_job_spec(JOB_1B), parse_cluster("1x8xH100"))
     assert data == json.loads(json.dumps(report.to_dict()))
     assert data["fits"] is True and data["overlap"]["threshold_tokens"] == 1319
     assert data["memory"]["activations_bytes"] == 283164 * 131072
@@ -264,5 +273,5 @@ def test_plan_reads_a_spec_dict_too():
     """The planner takes any validated spec (not only files)."""
     spec = parse_job_spec({"model": {"preset": "small"}, "parallel": {"cp": 2},
                            "train": {"seq_len": 4096, "global_batch": 2}})
-    report = plan_job(spec, parse_cluster("1x2xA100"))
+    report = _plan(spec, parse_cluster("1x2xA100"))
     assert report.fits and report.overlap.link == "NVLink"

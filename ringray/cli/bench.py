@@ -1,0 +1,231 @@
+"""``ringray bench ring | train | kernel``: thin commands over :mod:`ringray.bench`."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import asdict
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ringray.cli.common import err, fail, read_spec
+
+app = typer.Typer(help="Benchmarks that print the project's measured figures.",
+                  no_args_is_help=True)
+
+
+@app.command("ring")
+def bench_ring(
+    world: int = typer.Option(4, "--world", min=1, help="Ring size: local gloo processes."),
+    seq: int = typer.Option(16384, "--seq", min=1, help="Total sequence length (tokens)."),
+    heads: int = typer.Option(8, "--heads", min=1, help="Query heads."),
+    kv_heads: int = typer.Option(2, "--kv-heads", min=1, help="Key/value heads (GQA)."),
+    head_dim: int = typer.Option(64, "--head-dim", min=1, help="Head dimension."),
+    layouts: str = typer.Option("zigzag,striped,contiguous", "--layouts",
+                                help="Comma-separated layouts to compare."),
+    full: bool = typer.Option(False, "--full", help="Full (non-causal) attention."),
+    iters: int = typer.Option(2, "--iters", min=1, help="Measured iterations per layout."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object per layout."),
+) -> None:
+    """Overlap, load balance and work efficiency of ring attention on local gloo ranks.
+
+    Example: ringray bench ring --world 4 --seq 16384 --heads 8 --kv-heads 2 --head-dim 64
+    """
+    from ringray.bench.ring import RingBenchConfig, run_ring_bench
+
+    names = tuple(n.strip() for n in layouts.split(",") if n.strip())
+    if not names:
+        fail("--layouts: give at least one of zigzag, striped, contiguous")
+    if heads % kv_heads:
+        fail(f"--kv-heads: {kv_heads} must divide --heads {heads}")
+    cfg = RingBenchConfig(world=world, seq=seq, heads=heads, kv_heads=kv_heads,
+                          head_dim=head_dim, layouts=names, causal=not full, iters=iters)
+    try:
+        from ringray.attention import make_layout
+
+        for name in names:
+            make_layout(name, world, seq)
+    except ValueError as exc:
+        fail(str(exc))
+    err.print(
+        f"ring attention: {world} gloo ranks x 1 thread, seq {seq}, heads {heads}/{kv_heads}, "
+        f"head_dim {head_dim}, {'full' if full else 'causal'}, layouts {', '.join(names)}",
+        highlight=False,
+    )
+    with err.status("running (single-process SDPA reference, then each layout)..."):
+        results = run_ring_bench(cfg)
+    if as_json:
+        json.dump([asdict(r) for r in results], sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return
+    _print_ring_tables(results)
+
+
+@app.command("train")
+def bench_train(
+    config: str = typer.Option("jobs/quickstart.yaml", "--config", help="Job spec to run."),
+    layouts: str = typer.Option("zigzag,striped,contiguous", "--layouts",
+                                help="Comma-separated layouts to compare."),
+    steps: int = typer.Option(8, "--steps", min=1, help="Measured steps per layout."),
+    warmup: int = typer.Option(2, "--warmup", min=0, help="Steps run first, not measured."),
+    overrides: list[str] = typer.Option(  # noqa: B008 - typer's documented form
+        [], "--set", help="Override a spec field (repeatable), e.g. train.seq_len=8192."
+    ),
+    gpu: bool = typer.Option(False, "--gpu", help="One CUDA device: the 1b preset at --seq."),
+    seq: int = typer.Option(16384, "--seq", min=2, help="Sequence length for --gpu."),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
+) -> None:
+    """Tokens/s, MFU, overlap and load imbalance of a job spec, per layout.
+
+    Example: ringray bench train --config jobs/quickstart.yaml --steps 8
+    """
+    from ringray.bench.train import run_gpu_bench, run_train_bench
+
+    names = tuple(n.strip() for n in layouts.split(",") if n.strip())
+    if gpu:
+        err.print(f"training benchmark: 1b preset, seq {seq}, one CUDA device", highlight=False)
+        try:
+            results = [run_gpu_bench(seq_len=seq, steps=steps, warmup=warmup)]
+        except ValueError as exc:
+            fail(str(exc))
+    else:
+        jobs = [read_spec(config, [*overrides, f"parallel.layout={name}"],
+                          check_paths=False).train_options() for name in names]
+        err.print(f"training benchmark: {config}, layouts {', '.join(names)}, "
+                  f"{warmup} + {steps} steps each", highlight=False)
+        with err.status("training..."):
+            try:
+                results = run_train_bench(jobs, steps=steps, warmup=warmup)
+            except ValueError as exc:
+                fail(str(exc))
+    if as_json:
+        json.dump([asdict(r) for r in results], sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return
+    first = results[0]
+    Console().print(
+        f"{first.world} rank(s), seq {first.seq_len}, global batch {first.global_batch}; "
+        f"medians over {first.measured_steps} steps. overlap: share of the ring's transfer "
+        f"time hidden (worst rank); imbalance: max/mean attention compute.", highlight=False,
+    )
+    table = Table()
+    for col in ("layout", "tok/s", "step s", "MFU", "overlap", "imbal.", "peak MiB"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for r in results:
+        mfu = f"{r.mfu:.1%}" if r.mfu is not None else "n/a"
+        table.add_row(r.layout, f"{r.tokens_per_second:.0f}", f"{r.step_seconds:.3f}", mfu,
+                      f"{r.overlap_ratio:.3f}", f"{r.load_imbalance:.3f}",
+                      f"{r.peak_memory_bytes / 2**20:.0f}")
+    Console().print(table)
+
+
+@app.command("kernel")
+def bench_kernel(
+    seqs: str = typer.Option("4096,8192,16384", "--seqs",
+                             help="Comma-separated total sequence lengths."),
+    batch: int = typer.Option(1, "--batch", min=1, help="Batch size."),
+    heads: int = typer.Option(16, "--heads", min=1, help="Query heads."),
+    kv_heads: int = typer.Option(8, "--kv-heads", min=1, help="Key/value heads (GQA)."),
+    head_dim: int = typer.Option(128, "--head-dim", min=1, help="Head dimension."),
+    dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16 or float16."),
+    blocks: int = typer.Option(4, "--blocks", min=1, help="Blocks of the virtual ring."),
+    iters: int = typer.Option(10, "--iters", min=1, help="Timed repetitions (median)."),
+    warmup: int = typer.Option(3, "--warmup", min=0, help="Untimed repetitions first."),
+    sweep: bool = typer.Option(False, "--sweep", help="Time every candidate tile shape at "
+                               "the first --seqs length (causal) instead."),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
+) -> None:
+    """Triton ring-step kernels vs PyTorch SDPA (flash, cuDNN): TFLOP/s and a virtual ring.
+
+    Needs a CUDA GPU for speed; on CPU it runs the kernels' correctness smoke only.
+
+    Example: ringray bench kernel --seqs 4096,8192,16384 --heads 16 --kv-heads 8
+    """
+    import torch
+
+    try:
+        lengths = tuple(int(n) for n in seqs.split(",") if n.strip())
+    except ValueError:
+        lengths = ()
+    if not lengths or min(lengths) < 1:
+        fail(f"--seqs: expected comma-separated positive integers, got {seqs!r}")
+    if heads % kv_heads:
+        fail(f"--kv-heads: {kv_heads} must divide --heads {heads}")
+    if dtype not in ("bfloat16", "float16"):
+        fail(f"--dtype: {dtype!r} is not one of bfloat16, float16")
+    from ringray.attention import make_layout
+
+    try:
+        for seq in lengths:  # the virtual ring cuts each length into --blocks zigzag blocks
+            make_layout("zigzag", blocks, seq)
+    except ValueError as exc:
+        fail(f"--seqs/--blocks: {exc}")
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        # Without a GPU the kernels can only run in Triton's interpreter, which must be
+        # chosen before they are defined (that is, before the modules below are imported).
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from ringray.bench import kernel as kb
+
+    out = Console()
+    report: dict[str, list] = {}
+    if not cuda:
+        err.print("kernel speed needs a CUDA GPU and there is none here: running the "
+                   "correctness smoke only (Triton interpreter vs float64 reference)",
+                   highlight=False)
+    with err.status("correctness smoke..."):
+        report["smoke"] = kb.run_smoke(torch.device("cuda" if cuda else "cpu"))
+    if cuda:
+        cfg = kb.KernelBenchConfig(seqs=lengths, batch=batch, heads=heads,
+                                   kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                                   ring_blocks=blocks, warmup=warmup, iters=iters)
+        err.print(f"GPU: {torch.cuda.get_device_name()}; {dtype}, batch {batch}, heads "
+                   f"{heads}/{kv_heads}, head_dim {head_dim}", highlight=False)
+        with err.status("timing..."):
+            if sweep:
+                report["sweep"] = kb.run_sweep(cfg, lengths[0], causal=True)
+            else:
+                report["speed"] = kb.run_speed(cfg)
+                report["virtual_ring"] = kb.run_virtual_ring(cfg)
+    if as_json:
+        json.dump({name: [asdict(r) for r in rows] for name, rows in report.items()},
+                  sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        tables = {"smoke": kb.smoke_table, "speed": kb.speed_table,
+                  "virtual_ring": kb.virtual_ring_table, "sweep": kb.sweep_table}
+        for name, rows in report.items():
+            out.print(tables[name](rows))
+    if not all(r.passed for r in report["smoke"]):
+        err.print("[bold red]error:[/] the correctness smoke failed", highlight=False)
+        raise typer.Exit(code=1)
+
+
+def _print_ring_tables(results) -> None:
+    from ringray.attention.stats import overlap_ratio
+
+    out = Console()
+    for r in results:
+        table = Table(title=f"layout: {r.layout}", title_justify="left")
+        for col in ("rank", "compute s", "exposed comm s", "transfer alone s", "overlap"):
+            table.add_column(col, justify="right")
+        for rank, (c, e, t) in enumerate(
+            zip(r.compute_seconds, r.exposed_comm_seconds, r.transfer_seconds, strict=True)
+        ):
+            table.add_row(str(rank), f"{c:.3f}", f"{e:.4f}", f"{t:.4f}",
+                          f"{overlap_ratio(e, t):.3f}")
+        out.print(table)
+    summary = Table(title="summary (compute = CPU seconds, forward + backward; imbalance = "
+                    "max/mean; work eff. = ranks' compute / 1-process SDPA)",
+                    title_justify="left")
+    for col in ("layout", "overlap", "imbal.", "imbal. theory", "work eff.", "max s",
+                "SDPA s"):
+        summary.add_column(col, justify="right", no_wrap=True)
+    for r in results:
+        summary.add_row(r.layout, f"{r.overlap_ratio:.3f}", f"{r.imbalance_measured:.3f}",
+                        f"{r.imbalance_theoretical:.3f}", f"{r.work_efficiency:.3f}",
+                        f"{r.compute_seconds_max:.3f}", f"{r.single_process_seconds:.3f}")
+    out.print(summary)

@@ -1,0 +1,56 @@
+"""What every command shares: one stderr console, one-line errors, and the spec loader.
+
+Errors are one line on stderr and exit code 2, never a traceback: :func:`fail`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NoReturn
+
+import typer
+from rich.console import Console
+
+if TYPE_CHECKING:  # the spec imports torch: load it only when a command needs it
+    from ringray.spec import JobSpec
+
+err = Console(stderr=True)
+"""Progress, events and errors go to stderr; results (tables, JSON, ids) to stdout."""
+
+
+def fail(message: str) -> NoReturn:
+    """End the command with ``error: <message>`` on one line and exit code 2."""
+    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code=2)
+
+
+def first_line(exc: BaseException) -> str:
+    """The last non-empty line of an exception's message (SDK errors put the cause there)."""
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
+
+
+def read_spec(spec_path: str, overrides: list[str], *, steps: int | None = None,
+              check_paths: bool = True) -> JobSpec:
+    """The validated spec with ``--set`` and ``--steps`` applied; a bad one ends the command
+    in one line."""
+    from ringray.spec import JobSpecError, load_job_spec
+
+    if steps is not None:
+        overrides = [*overrides, f"train.steps={steps}"]
+    try:
+        return load_job_spec(spec_path, overrides, check_paths=check_paths)
+    except JobSpecError as exc:
+        fail(str(exc).replace("\n", "; "))
+
+
+def load_spec(spec_path: str, overrides: list[str], *, steps: int | None,
+              check_paths: bool = True) -> JobSpec:
+    """:func:`read_spec`, checked as far as `ringray train` needs (an explicit mesh too)."""
+    from ringray.spec import JobSpecError
+
+    spec = read_spec(spec_path, overrides, steps=steps, check_paths=check_paths)
+    try:
+        spec.job_options()
+    except JobSpecError as exc:
+        fail(str(exc))
+    return spec

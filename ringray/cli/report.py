@@ -1,0 +1,26 @@
+"""``ringray report RUN``: PNG plots of a run's steps."""
+
+from __future__ import annotations
+
+import typer
+
+from ringray.cli.common import fail
+
+
+def report(
+    run: str = typer.Argument(..., metavar="RUN", help="Run directory, e.g. runs/quickstart."),
+    out: str | None = typer.Option(None, "--out", help="Directory for the PNGs; default: "
+                                   "RUN/report."),
+) -> None:
+    """PNG plots of a run's loss, tokens/s, overlap and load imbalance per step.
+
+    Example: ringray report runs/quickstart
+    """
+    from ringray.plots import ReportError, write_report
+
+    try:
+        paths = write_report(run, out)
+    except ReportError as exc:
+        fail(str(exc))
+    for path in paths:
+        typer.echo(str(path))

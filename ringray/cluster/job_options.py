@@ -1,0 +1,185 @@
+"""What the controller needs to know about a job, as frozen dataclasses (no Ray imported).
+
+:class:`ClusterOptions` is the job spec's ``cluster`` section, declared here once (the spec
+derives its YAML section from it). :class:`JobOptions` is what a controller runs: the job's
+name, its training options, the cluster section and the metrics endpoint, with the values the
+controller needs resolved (the elastic floor, each worker's Ray resources)::
+
+    job = JobOptions(name="quick", train=train_options, cluster=ClusterOptions(dp_min=1))
+    job.cp, job.dp_max, job.dp_min, job.worker_resources
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Annotated, Literal
+
+from annotated_types import Ge, Gt, MinLen
+
+from ringray.metrics import MetricsOptions
+from ringray.train import TrainOptions
+
+# Ray's built-in resources that a worker may not ask for by name; others are custom resources.
+_RAY_RESERVED = ("memory", "object_store_memory")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterOptions:
+    """How `ringray train` runs the job on Ray (the job spec's ``cluster`` section)."""
+
+    accelerator: Literal["cpu", "gpu"] = "cpu"
+    """What each worker owns: one GPU (NCCL rings) or one CPU slot (gloo)."""
+    worker_resources: Mapping[str, float] | None = None
+    """Ray resources of one worker, e.g. {GPU: 1, CPU: 8}; null: {GPU: 1} for accelerator gpu,
+    {CPU: 1} for cpu. With gpu, GPU must be 1 (one NCCL rank per device); with cpu, no GPU. A
+    custom resource pins workers to the nodes that offer it."""
+    dp_min: Annotated[int, Ge(1)] | None = None
+    """Elastic floor: the job runs at the largest dp from dp_min to parallel.dp that fits the
+    live nodes and divides train.global_batch, instead of waiting; null: parallel.dp (a fixed
+    size)."""
+    max_failures: Annotated[int, Ge(0)] = 3
+    """Faults recovered before the job fails (preemptions not counted)."""
+    step_timeout_seconds: Annotated[float, Gt(0)] = 300.0
+    """A step (or checkpoint) that takes longer is a hang: recover."""
+    startup_timeout_seconds: Annotated[float, Gt(0)] = 120.0
+    """Time for workers, process groups and trainers to come up."""
+    capacity_wait_seconds: Annotated[float, Ge(0)] = 600.0
+    """How long to wait for room for dp_min rings before the job fails (an embedded local Ray
+    does not wait: nothing can join it)."""
+    grow_after_seconds: Annotated[float, Ge(0)] = 10.0
+    """New capacity must stay live this long before the job grows into it (at the next
+    checkpoint boundary), so a flickering node never makes it flap."""
+    failure_domain: Annotated[str, MinLen(1)] | None = "zone"
+    """Node label whose values DP replicas are spread over; null: none."""
+    request_resources: bool = True
+    """Ask the Ray autoscaler for the full size while running smaller."""
+    poll_seconds: Annotated[float, Gt(0)] = 0.5
+    """How often the controller checks node liveness and drain notices between steps."""
+    intra_node_gbps: Annotated[float, Gt(0)] | None = None
+    """Link speed inside a node (Gb/s) for the placement's costs."""
+    inter_node_gbps: Annotated[float, Gt(0)] | None = None
+    """Link speed between nodes (Gb/s) for the placement's costs."""
+
+    def __post_init__(self) -> None:
+        resources = self.worker_resources
+        if resources is None:
+            return
+        if not resources:
+            raise ValueError("worker_resources: {} asks for nothing; give at least one "
+                             "resource, e.g. {CPU: 1}")
+        for name, amount in resources.items():
+            if name.upper() in ("CPU", "GPU") and name not in ("CPU", "GPU"):
+                raise ValueError(f"worker_resources.{name}: Ray's resource names are "
+                                 f"case-sensitive; write {name.upper()}")
+            if name in _RAY_RESERVED:
+                raise ValueError(f"worker_resources.{name}: not a worker resource ringray can "
+                                 f"ask Ray for; use CPU, GPU or a custom resource")
+            if amount <= 0:
+                raise ValueError(f"worker_resources.{name}: {amount:g} is not positive; give "
+                                 f"an amount > 0, or leave {name} out")
+        gpus = resources.get("GPU")
+        if self.accelerator == "gpu" and gpus != 1:
+            got = "no GPU" if gpus is None else f"GPU: {gpus:g}"
+            raise ValueError(
+                f"worker_resources: {got} with accelerator gpu; each worker drives exactly one "
+                f"GPU (one NCCL rank per device), so give GPU: 1"
+            )
+        if self.accelerator == "cpu" and gpus is not None:
+            raise ValueError(
+                f"worker_resources: GPU: {gpus:g} with accelerator cpu (gloo rings that never "
+                f"use it); set cluster.accelerator: gpu, or leave GPU out"
+            )
+
+    @property
+    def process_group_backend(self) -> str:
+        return "nccl" if self.accelerator == "gpu" else "gloo"
+
+
+def check_elastic_floor(cluster: ClusterOptions, train: TrainOptions) -> None:
+    """``cluster.dp_min`` must be a size the job can run at: at most ``parallel.dp``, and a
+    divisor of the global batch. Raises ``ValueError`` naming the field."""
+    dp_min, dp = cluster.dp_min, train.parallel.dp
+    if dp_min is None or dp is None:
+        return
+    if dp_min > dp:
+        raise ValueError(
+            f"cluster.dp_min: {dp_min} is larger than parallel.dp={dp} (the size the job asks "
+            f"for); use a value from 1 to {dp}"
+        )
+    batch = train.train.global_batch
+    if batch % dp_min:
+        raise ValueError(
+            f"cluster.dp_min: train.global_batch={batch} does not split over dp_min={dp_min} "
+            f"replicas; use a divisor of it (sizes between dp_min and parallel.dp that do not "
+            f"divide it are skipped)"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobOptions:
+    """One job as a controller runs it. The mesh must be explicit (``parallel.dp`` and
+    ``parallel.cp`` set): there is no world size to infer it from."""
+
+    name: str
+    train: TrainOptions
+    cluster: ClusterOptions = field(default_factory=ClusterOptions)
+    metrics: MetricsOptions = field(default_factory=MetricsOptions)
+
+    def __post_init__(self) -> None:
+        parallel = self.train.parallel
+        for name in ("dp", "cp"):
+            if getattr(parallel, name) is None:
+                raise ValueError(f"parallel.{name}: required by `ringray train` (there is no "
+                                 f"world size to infer it from); give a number")
+        check_elastic_floor(self.cluster, self.train)
+
+    @property
+    def cp(self) -> int:
+        return self.train.parallel.cp
+
+    @property
+    def dp_max(self) -> int:
+        """The data-parallel size the job asks for."""
+        return self.train.parallel.dp
+
+    @property
+    def dp_min(self) -> int:
+        """The smallest size it may shrink to instead of waiting."""
+        return self.cluster.dp_min or self.dp_max
+
+    @property
+    def worker_resources(self) -> dict[str, float]:
+        """Ray resources of one worker (the spec's, or one GPU / one CPU by accelerator)."""
+        if self.cluster.worker_resources is not None:
+            return dict(self.cluster.worker_resources)
+        return {"GPU": 1.0} if self.cluster.accelerator == "gpu" else {"CPU": 1.0}
+
+    def actor_resources(self) -> dict:
+        """``ray.remote`` options for one worker: its CPUs, GPUs and custom resources."""
+        resources = self.worker_resources
+        custom = {k: v for k, v in resources.items() if k not in ("CPU", "GPU")}
+        return {
+            "num_cpus": resources.get("CPU", 0),
+            "num_gpus": resources.get("GPU", 0),
+            "resources": custom,
+        }
+
+    def check_capacity(self, available: Mapping[str, float], *, where: str) -> None:
+        """Raise ``ValueError`` if the smallest job allowed (``dp_min × cp`` workers) needs more
+        of a resource than ``available`` holds in total (a cluster that cannot grow: an
+        embedded local Ray, or one without an autoscaler); ``where`` names it."""
+        workers = self.dp_min * self.cp
+        for resource, amount in self.worker_resources.items():
+            need, have = workers * amount, available.get(resource, 0.0)
+            if need > have:
+                fits = int(have // amount) // self.dp_min if amount else 0
+                raise ValueError(
+                    f"parallel.cp: dp × cp = {self.dp_min} × {self.cp} = {workers} workers "
+                    f"× {resource}: {amount:g} need {need:g} {resource}, but {where} has "
+                    f"{have:g}; use parallel.cp ≤ {fits} (with dp {self.dp_min}) or a larger "
+                    f"cluster"
+                    if fits < self.cp else
+                    f"cluster.dp_min: {self.dp_min} rings × cp {self.cp} need {need:g} "
+                    f"{resource}, but {where} has {have:g}; use a smaller dp"
+                )

@@ -1,0 +1,122 @@
+"""Reading a job spec: YAML, ``--set`` overrides, validation, and this machine's paths.
+
+    spec = load_job_spec("jobs/quickstart.yaml", ["train.steps=20", "parallel.cp=2"])
+    spec = parse_job_spec({"parallel": {"cp": 2}})     # plain data, no file, no path checks
+
+Checks that look at this machine (``data.path`` exists, output directories can be created)
+run here, not in the schema, so a spec meant for another machine still parses
+(``check_paths=False``, as ``ringray submit`` uses).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import yaml
+from pydantic import ValidationError
+
+from ringray.spec.errors import describe_yaml_error, format_validation_error, load_yaml
+from ringray.spec.schema import JobSpec, JobSpecError
+
+
+def _set_dotted(data: dict, dotted: str, value: object) -> None:
+    *parents, leaf = dotted.split(".")
+    node = data
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise JobSpecError(f"{dotted}: {part!r} is not a section")
+        node = child
+    node[leaf] = value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply ``section.key=value`` overrides (values parsed as YAML: ``4``, ``true``, ``null``)."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise JobSpecError(f"--set {item!r}: expected section.key=value")
+        try:
+            value = load_yaml(raw)
+        except yaml.YAMLError as exc:
+            raise JobSpecError(f"--set {item!r}: the value is not valid YAML "
+                               f"({describe_yaml_error(exc)})") from None
+        _set_dotted(data, key.strip(), value)
+    return data
+
+
+def parse_job_spec(data: dict) -> JobSpec:
+    """Validate a spec given as plain data (no look at this machine's files)."""
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as exc:
+        raise JobSpecError(format_validation_error(exc, JobSpec)) from None
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _check_output_dir(field: str, location: str) -> None:
+    """A local directory that exists, or whose nearest existing ancestor is a writable one."""
+    path = Path(location).absolute()
+    if path.exists():
+        if not path.is_dir():
+            raise JobSpecError(f"{field}: {location!r} is a file; give a directory")
+        return
+    ancestor = _nearest_existing(path.parent)
+    if not ancestor.is_dir():
+        raise JobSpecError(f"{field}: {location!r} cannot be created: {ancestor} is a file; "
+                           f"give a path under a directory")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise JobSpecError(f"{field}: {location!r} cannot be created: {ancestor} is not "
+                           f"writable; give a path under a directory you can write to")
+
+
+def check_local_paths(spec: JobSpec) -> None:
+    """Raise :class:`JobSpecError` unless this machine has ``data.path`` (a directory) and can
+    create the run and local checkpoint directories. Relative paths are from the current
+    directory, as the trainer reads them."""
+    if spec.data.source == "files" and spec.data.path:
+        path = Path(spec.data.path)
+        if not path.exists():
+            raise JobSpecError(f"data.path: {spec.data.path!r} does not exist (from "
+                               f"{Path.cwd()}); give a directory of .txt/.jsonl files")
+        if not path.is_dir():
+            raise JobSpecError(f"data.path: {spec.data.path!r} is a file; give the directory "
+                               f"that holds the .txt/.jsonl files")
+    options = spec.train_options()
+    _check_output_dir("run_dir", options.run_dir)
+    if "://" not in options.checkpoint_location:
+        field = "checkpoint.path" if spec.checkpoint.path else "run_dir"
+        _check_output_dir(field, options.checkpoint_location)
+
+
+def load_job_spec(
+    path: str | Path, overrides: list[str] | None = None, *, check_paths: bool = True
+) -> JobSpec:
+    """Read, override and validate a YAML job spec.
+
+    ``check_paths``: also check this machine's paths (:func:`check_local_paths`); leave it
+    off for a spec that will run elsewhere (``ringray submit`` to a remote cluster).
+
+    Raises:
+        JobSpecError: naming the file, or each invalid field and what would be valid.
+    """
+    path = Path(path)
+    try:
+        data = load_yaml(path.read_text()) or {}
+    except OSError as exc:
+        raise JobSpecError(f"{path}: cannot read the job spec ({exc.strerror})") from None
+    except yaml.YAMLError as exc:
+        raise JobSpecError(f"{path}: not valid YAML ({describe_yaml_error(exc)})") from None
+    if not isinstance(data, dict):
+        kind = type(data).__name__
+        raise JobSpecError(f"{path}: a job spec is a mapping of sections, got {kind}")
+    spec = parse_job_spec(apply_overrides(data, overrides or []))
+    if check_paths:
+        check_local_paths(spec)
+    return spec
