@@ -6,7 +6,11 @@
   closed form in float64 complex arithmetic) and are built from *global* positions.
 - Presets: ``num_params`` equals the instantiated module's count; ``flops_per_token`` equals
   hand arithmetic; the debug preset learns.
-- ``ModelConfig`` errors name the field; activation checkpointing changes nothing numerically.
+- Feature fields (biases, q/k norms, explicit head_dim, tied embeddings, RoPE scaling):
+  ``num_params`` still counts the module; ``to_dict`` of a model without them is the dict
+  checkpoints recorded before they existed.
+- ``ModelConfig`` errors name the field; activation checkpointing changes nothing numerically;
+  ``model(tokens)`` without a ring is the one-rank call.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from ringray.attention import make_layout
 from ringray.model import (
     ModelConfig,
     RingContext,
+    RopeScaling,
     Transformer,
     apply_rotary,
     model_preset,
@@ -307,12 +312,65 @@ def test_num_params_counts_the_module(preset: str) -> None:
 
 def test_large_presets_are_llama_sized() -> None:
     """The 1b and 8b presets hold Llama 3.2 1B / Llama 3 8B block shapes: with a 128k vocab
-    and tied (1B) or untied (8B) embeddings they would be the published 1.24B and 8.03B."""
+    and tied (1B) or untied (8B) embeddings they are the published 1.24B and 8.03B."""
     llama_vocab = 128_256
-    b1 = model_preset("1b", vocab_size=llama_vocab)
-    tied = b1.num_params() - llama_vocab * b1.dim  # Llama 3.2 1B ties input and output
-    assert round(tied / 1e9, 2) == 1.24
+    b1 = model_preset("1b", vocab_size=llama_vocab, tie_embeddings=True)
+    assert round(b1.num_params() / 1e9, 2) == 1.24
     assert round(model_preset("8b", vocab_size=llama_vocab).num_params() / 1e9, 2) == 8.03
+
+
+FEATURES = {
+    "tied": dict(tie_embeddings=True),
+    "qkv bias": dict(qkv_bias=True),
+    "all biases": dict(qkv_bias=True, o_bias=True, mlp_bias=True),
+    "qk norm, head_dim": dict(qk_norm=True, explicit_head_dim=48, dim=96, n_heads=4),
+    "yarn": dict(rope_scaling=RopeScaling(kind="yarn", factor=4.0,
+                                          original_max_position_embeddings=64)),
+}
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_num_params_counts_the_module_with_features(feature: str) -> None:
+    """With each feature ``num_params()`` is the module's (unique) parameter count; without
+    the input table it leaves out the embedding, except that a tied table is also the output
+    head, which every token is multiplied by, so it stays."""
+    cfg = model_preset("debug", **FEATURES[feature])
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    total = sum(p.numel() for p in model.parameters())
+    assert cfg.num_params() == total
+    table = 0 if cfg.tie_embeddings else model.tok_embeddings.weight.numel()
+    assert cfg.num_params(embeddings=False) == total - table
+    if cfg.tie_embeddings:
+        assert model.output.weight is model.tok_embeddings.weight
+    if cfg.explicit_head_dim:
+        assert model.layers[0].attention.wq.weight.shape == (4 * 48, 96)
+
+
+def test_to_dict_of_a_preset_is_unchanged_and_features_round_trip() -> None:
+    """Checkpoints compare ``to_dict()``: a model without the feature fields has exactly the
+    keys recorded before they existed; with them, ``from_dict`` gives the config back."""
+    assert sorted(model_preset("debug").to_dict()) == sorted(
+        ["vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "rope_theta",
+         "norm_eps", "init_std"])
+    for feature in FEATURES.values():
+        cfg = model_preset("debug", **feature)
+        assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+        assert set(feature) <= set(cfg.to_dict())
+
+
+def test_forward_without_a_ring_is_the_one_rank_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``model(tokens)`` equals ``model(tokens, one-rank contiguous ring)``; inside a
+    multi-rank job it refuses to guess the ring."""
+    model = debug_model()
+    tokens = torch.randint(0, model.config.vocab_size, (2, 24),
+                           generator=torch.Generator().manual_seed(6))
+    ring = RingContext(layout=make_layout("contiguous", 1, 24))
+    torch.testing.assert_close(model(tokens), model(tokens, ring), atol=0, rtol=0)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 4)
+    with pytest.raises(ValueError, match=r"^ring: torch.distributed is initialised with 4"):
+        model(tokens)
 
 
 def test_flops_per_token_hand_arithmetic() -> None:
@@ -367,6 +425,9 @@ def test_debug_preset_learns() -> None:
         ({"dim": 12, "n_heads": 4, "n_kv_heads": 2}, r"^dim: head_dim=3 must be even"),
         ({"n_layers": 0}, r"^n_layers: must be >= 1, got 0"),
         ({"n_kv_heads": 0}, r"^n_kv_heads: must be >= 1, got 0"),
+        ({"explicit_head_dim": 15}, r"^explicit_head_dim: head_dim=15 must be even"),
+        ({"rope_theta": 0.0}, r"^rope_theta: must be a positive number, got 0.0"),
+        ({"rope_scaling": {"kind": "yarn"}}, r"^rope_scaling: expected a RopeScaling, got dict"),
     ],
 )
 def test_model_config_errors_name_the_field(kwargs: dict, pattern: str) -> None:

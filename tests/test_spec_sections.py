@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 from ringray.cluster.job_options import ClusterOptions, JobOptions
 from ringray.data import DataOptions
 from ringray.metrics import MetricsOptions
-from ringray.model import ModelOptions
+from ringray.model import ModelOptions, RopeOptions
 from ringray.spec import JobSpec, JobSpecError, parse_job_spec
 from ringray.spec.sections import Section, attribute_docs, section_model
 from ringray.train import (
@@ -31,6 +31,7 @@ from ringray.train import (
 
 SECTIONS = {
     "model": ModelOptions,
+    "model.rope": RopeOptions,
     "data": DataOptions,
     "parallel": ParallelOptions,
     "train": TrainingOptions,

@@ -1,10 +1,10 @@
-"""Training data and long-context evaluation: byte tokens, sources, packing, passkey.
+"""Training data and long-context evaluation: tokenizers, sources, packing, passkey.
 
 Pure Python and torch (no Ray, no pydantic), so it runs inside any torchrun worker::
 
     from ringray.data import ByteTokenizer, PackedLoader, evaluate_passkey, make_source
 
-    tokenizer = ByteTokenizer()
+    tokenizer = ByteTokenizer()                     # or HFTokenizer.from_pretrained("ckpt/")
     loader = PackedLoader(make_source("stdlib", None), tokenizer=tokenizer, seq_len=16384,
                           global_batch=8, dp_rank=dp_rank, dp_size=dp_size, seed=0)
     loader.load_state_dict(checkpoint["data"])      # optional: resume (any DP degree)
@@ -30,6 +30,7 @@ from ringray.data.passkey import (
     make_passkey_sample,
     passkey_chance_accuracy,
     passkey_min_seq_len,
+    score_answer,
 )
 from ringray.data.sources import (
     SOURCE_KINDS,
@@ -41,7 +42,7 @@ from ringray.data.sources import (
     TokenSource,
     make_source,
 )
-from ringray.data.tokenizer import ByteTokenizer
+from ringray.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 __all__ = [
     "MIN_FILLER_TOKENS",
@@ -50,6 +51,7 @@ __all__ = [
     "PASSKEY_FILLER",
     "SOURCE_KINDS",
     "ByteTokenizer",
+    "HFTokenizer",
     "DataOptions",
     "DirectorySource",
     "MemorySource",
@@ -60,9 +62,11 @@ __all__ = [
     "PasskeySource",
     "StdlibSource",
     "TokenSource",
+    "Tokenizer",
     "evaluate_passkey",
     "make_passkey_sample",
     "make_source",
     "passkey_chance_accuracy",
     "passkey_min_seq_len",
+    "score_answer",
 ]

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from ringray.data.sources import TokenSource
-from ringray.data.tokenizer import ByteTokenizer
+from ringray.data.tokenizer import Tokenizer
 
 _EPOCHS_CACHED = 4
 """Epoch orders kept in memory: a batch touches at most a few consecutive epochs."""
@@ -60,7 +60,7 @@ class PackedLoader:
         self,
         source: TokenSource,
         *,
-        tokenizer: ByteTokenizer,
+        tokenizer: Tokenizer,
         seq_len: int,
         global_batch: int,
         dp_rank: int,
@@ -68,7 +68,11 @@ class PackedLoader:
         seed: int,
         cache_tokens: int = 1 << 24,
     ) -> None:
-        """``cache_tokens`` bounds the LRU of recently read documents (4 bytes a token)."""
+        """``cache_tokens`` bounds the LRU of recently read documents (4 bytes a token).
+
+        Documents are tokenized with ``tokenizer``; with one that is not byte-level the
+        source tokenizes every document here once, to learn the lengths.
+        """
         _check_positive_int("seq_len", seq_len, 1)
         _check_positive_int("global_batch", global_batch, 1)
         _check_positive_int("dp_size", dp_size, 1)
@@ -84,7 +88,7 @@ class PackedLoader:
             raise ValueError(f"dp_rank: {dp_rank} must be in [0, {dp_size}) for dp_size {dp_size}")
         if not isinstance(seed, int):
             raise ValueError(f"seed: {seed!r} must be an integer")
-        lengths = tuple(source.document_lengths)
+        lengths = tuple(source.token_lengths(tokenizer))
         if not lengths or min(lengths) < 1:
             raise ValueError(f"source: {source.describe()} must hold non-empty documents")
         self.source = source
@@ -132,11 +136,12 @@ class PackedLoader:
         if tokens is not None:
             self._documents.move_to_end(document)
             return tokens
-        ids = self.tokenizer.encode_bytes(self.source.read_document(document))
+        ids = list(self.source.read_tokens(document, self.tokenizer))
         if len(ids) != self._lengths[document]:
             raise ValueError(
                 f"source: document {document} has {len(ids)} tokens, but its length is "
-                f"{self._lengths[document]} (the tokenizer must be byte-level)"
+                f"{self._lengths[document]} (did the document change since the source was "
+                f"built?)"
             )
         ids.append(self.tokenizer.eos_id)
         tokens = torch.tensor(ids, dtype=torch.int32)

@@ -1,16 +1,18 @@
 """Synthetic passkey retrieval: can the model find a number hidden deep in a long context?
 
-A sample is exactly ``seq_len`` byte tokens: repeated filler sentences, a needle sentence
-holding the pass key at a chosen fractional depth of the filler, and a closing question
-whose last tokens are the answer::
+A sample is exactly ``seq_len`` tokens of any :class:`~ringray.data.tokenizer.Tokenizer`:
+repeated filler sentences, a needle sentence holding the pass key at a chosen fractional
+depth of the filler, and a closing question whose last tokens are the answer::
 
     The grass is green. The sky is blue. ... The pass key is 48213. Remember it. 48213 is
     the pass key. The sun is yellow. ... What is the pass key? The pass key is 48213
 
-Evaluation is teacher-forced: one forward pass over the whole sample and a check that the
-model's argmax next-token predictions at the answer positions equal the answer. No
-generation loop is needed, so it works unchanged under context parallelism, where each rank
-holds a shard of the sequence and autoregressive decoding would be awkward.
+Evaluation is teacher-forced: one forward pass over the whole sample, and the model's argmax
+next-token predictions at the answer positions are decoded and compared with the answer's
+text. No generation loop is needed, so it works unchanged under context parallelism, where
+each rank holds a shard of the sequence and autoregressive decoding would be awkward. The
+answer is whichever tokens the tokenizer makes of the key (one per digit for bytes; a
+BPE may use multi-digit tokens such as ``482`` ``13``), so it is scored on decoded text.
 
     >>> report = evaluate_passkey(predict, ByteTokenizer(), lengths=[4096, 16384],
     ...                           depths=[0.0, 0.5, 1.0], samples_per_cell=8, seed=0)
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ringray.data.tokenizer import ByteTokenizer
+from ringray.data.tokenizer import Tokenizer
 
 PASSKEY_FILLER = (
     "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -70,12 +72,25 @@ def passkey_chance_accuracy(digits: int) -> float:
     return 10.0**-digits
 
 
-def passkey_min_seq_len(tokenizer: ByteTokenizer, passkey_length: int) -> int:
-    """Shortest ``seq_len`` that holds the needle, the question and the minimum filler."""
-    key = "0" * passkey_length
-    needle = len(tokenizer.encode(_needle_text(key)))
-    question = len(tokenizer.encode(_question_text(key)))
-    return needle + question + MIN_FILLER_TOKENS
+def _prompt_lengths(tokenizer: Tokenizer, passkey: str) -> tuple[int, int]:
+    """Tokens of the needle and of the question for ``passkey``."""
+    needle = tokenizer.encode(_needle_text(passkey))
+    question = tokenizer.encode(_question_text(passkey))
+    return len(needle), len(question)
+
+
+def passkey_min_seq_len(tokenizer: Tokenizer, passkey_length: int) -> int:
+    """Shortest ``seq_len`` that holds the needle, the question and the minimum filler.
+
+    Exact for the byte tokenizer. For others, the key's three copies may tokenize into a
+    different number of tokens for different keys, so this is the longest of the ten
+    one-digit-repeated keys plus room for up to one token per digit in each copy.
+    """
+    if tokenizer.byte_level:
+        return sum(_prompt_lengths(tokenizer, "0" * passkey_length)) + MIN_FILLER_TOKENS
+    longest = max(sum(_prompt_lengths(tokenizer, digit * passkey_length))
+                  for digit in "0123456789")
+    return longest + 3 * (passkey_length - 1) + MIN_FILLER_TOKENS
 
 
 @dataclass(frozen=True)
@@ -94,18 +109,21 @@ class PasskeySample:
     seq_len: int
 
 
-def _filler_stream(tokenizer: ByteTokenizer, length: int) -> tuple[list[int], list[int]]:
+def _filler_stream(tokenizer: Tokenizer, length: int) -> tuple[list[int], list[int]]:
     """``length`` filler tokens ending on a whole sentence, and their sentence boundaries.
 
-    The repeated filler is trimmed at the *front*, so the text before the question ends
-    cleanly and only the sample's first sentence may be cut. Boundaries are the positions
-    where a needle can go without splitting a sentence (always including 0 and ``length``).
+    Each filler sentence is tokenized on its own, so sentence boundaries are token
+    boundaries for any tokenizer. The repeated filler is trimmed at the *front*, so the
+    text before the question ends cleanly and only the sample's first sentence may be cut.
+    Boundaries are the positions where a needle can go without splitting a sentence
+    (always including 0 and ``length``).
     """
-    unit = tokenizer.encode(PASSKEY_FILLER)
-    end_marker = tokenizer.encode(_SENTENCE_END)
-    unit_boundaries = [0] + [
-        i for i in range(len(end_marker), len(unit)) if unit[i - len(end_marker) : i] == end_marker
-    ]
+    sentences = [text + _SENTENCE_END for text in PASSKEY_FILLER.split(_SENTENCE_END) if text]
+    unit: list[int] = []
+    unit_boundaries = []
+    for sentence in sentences:
+        unit_boundaries.append(len(unit))
+        unit.extend(tokenizer.encode(sentence))
     copies = -(-length // len(unit))
     start = copies * len(unit) - length
     stream = (unit * copies)[start:]
@@ -125,8 +143,18 @@ def _nearest(sorted_values: list[int], target: float) -> int:
     return min(candidates, key=lambda v: (abs(v - target), v))
 
 
+def _answer_offset(tokenizer: Tokenizer, question: list[int], passkey: str) -> int:
+    """Index in ``question`` of the first answer token: the shortest tail of the question's
+    tokens whose text holds the whole key (a byte tokenizer: the last ``len(passkey)``)."""
+    for start in range(len(question) - 1, -1, -1):
+        if passkey in tokenizer.decode(question[start:]):
+            return start
+    raise ValueError(f"passkey: {passkey!r} is not in the decoded question; the tokenizer does "
+                     f"not round-trip digits")
+
+
 def make_passkey_sample(
-    tokenizer: ByteTokenizer, *, seq_len: int, depth: float, passkey: str
+    tokenizer: Tokenizer, *, seq_len: int, depth: float, passkey: str
 ) -> PasskeySample:
     """Build a sample of exactly ``seq_len`` tokens with the needle at ``depth`` of the filler.
 
@@ -147,14 +175,19 @@ def make_passkey_sample(
         )
     needle = tokenizer.encode(_needle_text(passkey))
     question = tokenizer.encode(_question_text(passkey))
-    answer = tokenizer.encode(passkey)
     filler_length = seq_len - len(needle) - len(question)
+    if filler_length < MIN_FILLER_TOKENS:
+        raise ValueError(
+            f"seq_len: {seq_len} leaves {filler_length} filler tokens for key {passkey!r}; "
+            f"at least {MIN_FILLER_TOKENS} are needed"
+        )
+    answer_start = seq_len - len(question) + _answer_offset(tokenizer, question, passkey)
     filler, boundaries = _filler_stream(tokenizer, filler_length)
     cut = _nearest(boundaries, depth * filler_length)
     ids = filler[:cut] + needle + filler[cut:] + question
     return PasskeySample(
         tokens=torch.tensor(ids, dtype=torch.long),
-        answer_start=seq_len - len(answer),
+        answer_start=answer_start,
         needle_start=cut,
         passkey=passkey,
         depth=float(depth),
@@ -170,8 +203,9 @@ class PasskeyCell:
     depth: float
     samples: int
     exact_matches: int
-    """Samples whose every answer token was predicted."""
+    """Samples whose predicted answer decodes to the answer's text."""
     digits_correct: int
+    """Key digits predicted right (see :func:`score_answer`)."""
     digits_total: int
 
     @property
@@ -181,7 +215,7 @@ class PasskeyCell:
 
     @property
     def digit_accuracy(self) -> float:
-        """Fraction of answer tokens predicted correctly in this cell."""
+        """Fraction of the keys' digits predicted correctly in this cell."""
         return self.digits_correct / self.digits_total
 
 
@@ -225,12 +259,12 @@ class PasskeyReport:
 
     @property
     def accuracy(self) -> float:
-        """Overall exact-match accuracy (all answer tokens right)."""
+        """Overall exact-match accuracy (the whole decoded answer right)."""
         return _pooled(self.cells)[0]
 
     @property
     def digit_accuracy(self) -> float:
-        """Overall fraction of answer tokens predicted correctly."""
+        """Overall fraction of the keys' digits predicted correctly."""
         return _pooled(self.cells)[1]
 
     def to_dict(self) -> dict[str, object]:
@@ -292,7 +326,7 @@ def _random_passkey(rng: random.Random, digits: int) -> str:
 
 
 def _check_grid(
-    tokenizer: ByteTokenizer,
+    tokenizer: Tokenizer,
     lengths: Sequence[int],
     depths: Sequence[float],
     samples_per_cell: int,
@@ -319,10 +353,38 @@ def _check_grid(
         raise ValueError(f"depths: {bad} are outside [0.0, 1.0]")
 
 
+def score_answer(
+    tokenizer: Tokenizer, answer: Sequence[int], predicted: Sequence[int]
+) -> tuple[bool, int, int]:
+    """``(exact, digits_correct, digits_total)`` of one teacher-forced answer.
+
+    ``exact``: the predicted tokens decode to the answer's text. Digits are scored token by
+    token, since teacher forcing predicts each answer token from the true ones before it: a
+    digit of answer token ``i``'s text counts as correct when predicted token ``i``'s text
+    has the same character at the same offset (so ``481`` for ``482`` gets two of three).
+    With the byte tokenizer this is per-token accuracy. An id outside the tokenizer's
+    vocabulary (a padded embedding row) counts as wrong.
+    """
+    answer, predicted = [int(t) for t in answer], [int(t) for t in predicted]
+    in_vocab = all(0 <= t < tokenizer.vocab_size for t in predicted)
+    exact = in_vocab and tokenizer.decode(predicted) == tokenizer.decode(answer)
+    correct = total = 0
+    for want, got in zip(answer, predicted, strict=True):
+        want_text = tokenizer.decode([want])
+        got_text = tokenizer.decode([got]) if 0 <= got < tokenizer.vocab_size else ""
+        for offset, char in enumerate(want_text):
+            if char.isdigit():
+                total += 1
+                correct += offset < len(got_text) and got_text[offset] == char
+    return exact, correct, total
+
+
 def _score_batch(
-    predict: Callable[[torch.Tensor], torch.Tensor], samples: Sequence[PasskeySample]
-) -> torch.Tensor:
-    """``(B, answer_len)`` bool: which answer tokens the model predicted, teacher-forced."""
+    predict: Callable[[torch.Tensor], torch.Tensor],
+    tokenizer: Tokenizer,
+    samples: Sequence[PasskeySample],
+) -> list[tuple[bool, int, int]]:
+    """:func:`score_answer` of each sample, from one teacher-forced ``predict`` call."""
     tokens = torch.stack([s.tokens for s in samples])
     with torch.no_grad():
         predicted = predict(tokens)
@@ -330,15 +392,19 @@ def _score_batch(
         raise ValueError(
             f"predict: returned shape {tuple(predicted.shape)}, expected {tuple(tokens.shape)}"
         )
-    start, seq_len = samples[0].answer_start, samples[0].seq_len
-    # Position i predicts token i + 1, so answer tokens [start, S) come from [start - 1, S - 1).
-    guesses = predicted[:, start - 1 : seq_len - 1].to("cpu", torch.long)
-    return guesses == tokens[:, start:]
+    predicted = predicted.to("cpu", torch.long)
+    scores = []
+    for row, sample in enumerate(samples):
+        start, seq_len = sample.answer_start, sample.seq_len
+        # Position i predicts token i + 1, so answer tokens [start, S) come from [start - 1, S - 1).
+        guesses = predicted[row, start - 1 : seq_len - 1].tolist()
+        scores.append(score_answer(tokenizer, sample.tokens[start:].tolist(), guesses))
+    return scores
 
 
 def evaluate_passkey(
     predict: Callable[[torch.Tensor], torch.Tensor],
-    tokenizer: ByteTokenizer,
+    tokenizer: Tokenizer,
     *,
     lengths: Sequence[int],
     depths: Sequence[float],
@@ -352,8 +418,8 @@ def evaluate_passkey(
     Pass keys are ``digits`` random digits from ``random.Random(seed)``, drawn in grid order
     (length, then depth, then sample), so a report is reproducible from its settings.
     Samples of one length are batched together, up to ``batch_size`` per ``predict`` call.
-    A sample counts as correct when every answer token is predicted (exact match);
-    per-digit accuracy counts answer tokens individually.
+    A sample counts as correct when its predicted answer decodes to the key's text (exact
+    match); per-digit accuracy counts the key's digits (:func:`score_answer`).
     """
     _check_grid(tokenizer, lengths, depths, samples_per_cell, digits, batch_size)
     rng = random.Random(seed)
@@ -364,23 +430,23 @@ def evaluate_passkey(
             for depth in depths
             for _ in range(samples_per_cell)
         ]
-        hits: list[torch.Tensor] = []
+        scores: list[tuple[bool, int, int]] = []
         for first in range(0, len(plan), batch_size):
             samples = [
                 make_passkey_sample(tokenizer, seq_len=length, depth=depth, passkey=key)
                 for depth, key in plan[first : first + batch_size]
             ]
-            hits.append(_score_batch(predict, samples))
-        per_sample = torch.cat(hits).view(len(depths), samples_per_cell, digits)
-        for depth, cell_hits in zip(depths, per_sample, strict=True):
+            scores.extend(_score_batch(predict, tokenizer, samples))
+        for i, depth in enumerate(depths):
+            cell_scores = scores[i * samples_per_cell : (i + 1) * samples_per_cell]
             cells.append(
                 PasskeyCell(
                     length=length,
                     depth=float(depth),
                     samples=samples_per_cell,
-                    exact_matches=int(cell_hits.all(dim=1).sum()),
-                    digits_correct=int(cell_hits.sum()),
-                    digits_total=cell_hits.numel(),
+                    exact_matches=sum(exact for exact, _, _ in cell_scores),
+                    digits_correct=sum(correct for _, correct, _ in cell_scores),
+                    digits_total=sum(total for _, _, total in cell_scores),
                 )
             )
     return PasskeyReport(

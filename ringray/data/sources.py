@@ -1,8 +1,11 @@
 """Token sources: fixed, ordered lists of documents with known lengths and random access.
 
-Tokens are bytes (see :mod:`ringray.data.tokenizer`), so a document's token count is its
-byte length and a source can report every length without tokenizing anything. The packed
-loader uses the lengths to find which documents a batch needs and reads only those.
+A source holds documents as text (UTF-8 bytes) and gives them as any tokenizer's tokens. With
+the byte tokenizer a document's token count is its byte length, so a source reports every
+length from file sizes without reading anything; with another tokenizer
+(:class:`~ringray.data.tokenizer.HFTokenizer`) :meth:`TokenSource.token_lengths` tokenizes
+each document once to count. The packed loader uses the lengths to find which documents a
+batch needs and reads only those.
 
     >>> source = make_source("files", "corpus/")       # .txt and .jsonl files, recursively
     >>> source = make_source("stdlib", None)           # Python's own standard library
@@ -25,7 +28,7 @@ from typing import Annotated, Literal, Protocol
 from annotated_types import MinLen
 
 from ringray.data.passkey import make_passkey_sample
-from ringray.data.tokenizer import ByteTokenizer
+from ringray.data.tokenizer import ByteTokenizer, Tokenizer
 
 SOURCE_KINDS = ("stdlib", "files", "passkey")
 """Kinds accepted by :func:`make_source`."""
@@ -64,11 +67,20 @@ class TokenSource(Protocol):
 
     @property
     def document_lengths(self) -> Sequence[int]:
-        """Byte (= token) length of every document, in source order; all >= 1."""
+        """Byte length of every document, in source order; all >= 1 (the byte tokenizer's
+        token counts)."""
         ...
 
     def read_document(self, index: int) -> bytes:
         """The bytes of document ``index``; ``len`` equals ``document_lengths[index]``."""
+        ...
+
+    def token_lengths(self, tokenizer: Tokenizer) -> Sequence[int]:
+        """Token count of every document under ``tokenizer`` (no EOS); all >= 1."""
+        ...
+
+    def read_tokens(self, index: int, tokenizer: Tokenizer) -> list[int]:
+        """Document ``index`` as ``tokenizer``'s ids (no EOS); ``token_lengths`` long."""
         ...
 
     def __len__(self) -> int: ...
@@ -131,7 +143,25 @@ def _scan_jsonl(path: Path) -> list[_FileDocument]:
     return documents
 
 
-class _OnDiskSource:
+class _TextDocuments:
+    """Tokens of text documents (a subclass gives ``document_lengths``, ``read_document`` and
+    ``__len__``): bytes through the tokenizer. For the byte tokenizer the lengths are the
+    byte lengths; otherwise every document is read and tokenized once to count."""
+
+    def token_lengths(self, tokenizer: Tokenizer) -> Sequence[int]:
+        if tokenizer.byte_level:
+            return self.document_lengths
+        lengths = tuple(len(self.read_tokens(i, tokenizer)) for i in range(len(self)))
+        empty = [i for i, n in enumerate(lengths) if n < 1]
+        if empty:
+            raise ValueError(f"source: document {empty[0]} has no tokens under {tokenizer!r}")
+        return lengths
+
+    def read_tokens(self, index: int, tokenizer: Tokenizer) -> list[int]:
+        return tokenizer.encode_bytes(self.read_document(index))
+
+
+class _OnDiskSource(_TextDocuments):
     """Documents that live in files and are read when the loader first needs them."""
 
     _documents: tuple
@@ -222,7 +252,7 @@ class StdlibSource(_OnDiskSource):
         return f"stdlib:{self.root} ({len(self)} documents, {sum(self._lengths)} tokens)"
 
 
-class MemorySource:
+class MemorySource(_TextDocuments):
     """Documents held in memory (strings are UTF-8 encoded); empty ones are dropped.
 
     For tests and small experiments.
@@ -252,11 +282,14 @@ class MemorySource:
 class PasskeySource:
     """Synthetic passkey samples as training documents, generated on demand.
 
-    Each document is a passkey sample of ``seq_len - 1`` tokens (random depth, random
-    ``digits``-digit key, both from ``(seed, index)``). With the end-of-document token the
-    packed loader appends, every document fills exactly one packed sequence of ``seq_len``
-    when the loader uses the same ``seq_len``. Use a different seed space from evaluation:
-    :func:`~ringray.data.passkey.evaluate_passkey` draws keys from ``random.Random(seed)``.
+    Each document is a passkey sample of ``seq_len - 1`` tokens of the loader's tokenizer
+    (random depth, random ``digits``-digit key, both from ``(seed, index)``). With the
+    end-of-document token the packed loader appends, every document fills exactly one packed
+    sequence of ``seq_len`` when the loader uses the same ``seq_len``. Samples are built from
+    tokens, not text (re-tokenizing a sample's text could change its length), so
+    :meth:`read_document` is the byte tokenizer's sample. Use a different seed space from
+    evaluation: :func:`~ringray.data.passkey.evaluate_passkey` draws keys from
+    ``random.Random(seed)``.
     """
 
     def __init__(
@@ -279,15 +312,24 @@ class PasskeySource:
         return self._lengths
 
     def read_document(self, index: int) -> bytes:
+        return bytes(self.read_tokens(index, self._tokenizer))
+
+    def token_lengths(self, tokenizer: Tokenizer) -> Sequence[int]:
+        # Build one sample now so a too-short seq_len fails here, not inside the loader.
+        make_passkey_sample(tokenizer, seq_len=self.seq_len - 1, depth=0.0,
+                            passkey="0" * self.digits)
+        return self._lengths
+
+    def read_tokens(self, index: int, tokenizer: Tokenizer) -> list[int]:
         if not 0 <= index < len(self._lengths):
             raise IndexError(f"index: {index} outside [0, {len(self._lengths)})")
         rng = random.Random(f"ringray-passkey-source:{self.seed}:{index}")
         depth = rng.random()
         passkey = "".join(rng.choice("0123456789") for _ in range(self.digits))
         sample = make_passkey_sample(
-            self._tokenizer, seq_len=self.seq_len - 1, depth=depth, passkey=passkey
+            tokenizer, seq_len=self.seq_len - 1, depth=depth, passkey=passkey
         )
-        return bytes(sample.tokens.tolist())
+        return sample.tokens.tolist()
 
     def __len__(self) -> int:
         return len(self._lengths)

@@ -3,6 +3,7 @@
     model = Transformer(model_preset("debug"))
     ring = RingContext(group=cp_group, layout=layout, rank=cp_rank)
     logits = model(tokens_local, ring)          # (batch, local_seq, vocab)
+    logits = model(tokens)                      # one process, the whole sequence
 
 Each rank holds its share of every sequence in the layout's local order. Everything but
 attention is per token, so it runs locally; rotary embeddings use each token's *global*
@@ -23,8 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ringray.attention import Layout, RingStats, ring_attention
+from ringray.attention import Layout, RingStats, make_layout, ring_attention
 from ringray.model.config import ModelConfig
+from ringray.model.rope import apply_rotary, compute_dtype, rotary_tables
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,34 +43,6 @@ class RingContext:
         return self.layout.positions(self.rank).to(device)
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Norms and rotations run in float32 for half inputs and in float64 for float64 ones."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-def rotary_tables(
-    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype = torch.float32
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, ``(local_seq, head_dim)``, for the given global positions.
-
-    Angles are formed in float64: at long context ``position * frequency`` loses precision in
-    float32, and the tables are small.
-    """
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = positions.to(torch.float64)[:, None] * inv_freq.to(positions.device)[None, :]
-    angles = torch.cat((angles, angles), dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``(batch, seq, heads, head_dim)`` by the tables (half-split convention)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    dtype = _compute_dtype(x.dtype)
-    cos, sin = cos[None, :, None, :].to(dtype), sin[None, :, None, :].to(dtype)
-    return (x.to(dtype) * cos + rotated.to(dtype) * sin).to(x.dtype)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -76,7 +50,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = _compute_dtype(x.dtype)
+        dtype = compute_dtype(x.dtype)
         wide = x.to(dtype)
         normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * self.weight.to(dtype)).to(x.dtype)
@@ -86,10 +60,13 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.o_bias)
+        # Qwen3: one RMSNorm over head_dim, shared by the heads, before the rotation.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ring: RingContext
@@ -98,6 +75,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim)
         k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = ring_attention(
             q, k, v, ring.group, layout=ring.layout, causal=True,
@@ -111,9 +90,9 @@ class FeedForward(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.w1 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
-        self.w3 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
-        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.dim, bias=False)
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=cfg.mlp_bias)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=cfg.mlp_bias)
+        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.dim, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -139,43 +118,63 @@ class Transformer(nn.Module):
 
     ``activation_checkpointing`` recomputes each block in the backward pass instead of
     keeping its activations (the recompute repeats the block's ring pass, on every rank in
-    the same order, so the ring stays in step).
+    the same order, so the ring stays in step). With ``tie_embeddings`` the output
+    projection's weight *is* the embedding table (one parameter, registered under both).
     """
 
     def __init__(self, cfg: ModelConfig, *, activation_checkpointing: bool = False) -> None:
         super().__init__()
         self.config = cfg
         self.activation_checkpointing = activation_checkpointing
+        # The Hugging Face checkpoint the weights came from, set by load_pretrained;
+        # save_pretrained copies its tokenizer and keeps the rest of its config.json.
+        self.pretrained_source: str | None = None
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.tie_weights()
         self.reset_parameters()
+
+    def tie_weights(self) -> None:
+        """Make the output projection share the embedding table when the config ties them
+        (again after anything that replaces parameters, such as ``to_empty``)."""
+        if self.config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Normal(0, init_std) weights; the projections that write into the residual stream
-        are scaled by ``1/sqrt(2 n_layers)`` so the stream's variance does not grow with depth
-        (GPT-2's rule)."""
+        """Normal(0, init_std) weights and zero biases; the projections that write into the
+        residual stream are scaled by ``1/sqrt(2 n_layers)`` so the stream's variance does
+        not grow with depth (GPT-2's rule)."""
         std = self.config.init_std
         for name, param in self.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
             elif name.endswith(("wo.weight", "w2.weight")):
                 param.normal_(0.0, std / math.sqrt(2 * self.config.n_layers))
             else:
                 param.normal_(0.0, std)
 
-    def forward(self, tokens: torch.Tensor, ring: RingContext) -> torch.Tensor:
-        """Logits ``(batch, local_seq, vocab)`` for this rank's tokens ``(batch, local_seq)``."""
+    def forward(self, tokens: torch.Tensor, ring: RingContext | None = None) -> torch.Tensor:
+        """Logits ``(batch, local_seq, vocab)`` for this rank's tokens ``(batch, local_seq)``.
+
+        Without ``ring`` the whole sequence is in this one process (a one-rank contiguous
+        layout): ``model(tokens)`` is an ordinary decoder call.
+        """
+        if ring is None:
+            ring = self._single_process_ring(tokens)
         if tokens.shape[1] != ring.layout.local_len:
             raise ValueError(
                 f"tokens: this rank holds {ring.layout.local_len} tokens per sequence under "
                 f"{ring.layout!r}, got a tensor of shape {tuple(tokens.shape)}"
             )
+        cfg = self.config
         cos, sin = rotary_tables(
-            ring.positions(tokens.device), self.config.head_dim, self.config.rope_theta,
-            _compute_dtype(self.tok_embeddings.weight.dtype),
+            ring.positions(tokens.device), cfg.head_dim, cfg.rope_theta,
+            compute_dtype(self.tok_embeddings.weight.dtype), scaling=cfg.rope_scaling,
         )
         x = self.tok_embeddings(tokens)
         for block in self.layers:
@@ -184,3 +183,14 @@ class Transformer(nn.Module):
             else:
                 x = block(x, cos, sin, ring)
         return self.output(self.norm(x))
+
+    @staticmethod
+    def _single_process_ring(tokens: torch.Tensor) -> RingContext:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # ring_attention's default group is the world; it cannot stand for "no ring".
+            raise ValueError(
+                f"ring: torch.distributed is initialised with {dist.get_world_size()} ranks, "
+                f"so model(tokens) cannot tell which ring to use; pass a RingContext (for one "
+                f"process: a group of one rank)"
+            )
+        return RingContext(layout=make_layout("contiguous", 1, tokens.shape[1]))
