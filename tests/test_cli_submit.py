@@ -119,7 +119,7 @@ def test_submit_status_logs_stop_and_resume(ray_head: str, tmp_path: Path) -> No
     stopped = _ok(_ringray("stop", second, *address))
     assert f"{second}: STOPPED" in stopped.stderr
     reached = _steps(second_dir)[-1]
-    assert (second_dir / "checkpoints" / f"step_{reached:08d}").is_dir()
+    assert list((second_dir / "checkpoints").glob(f"step_{reached:08d}-*"))
     assert "stopping: checkpoint at the next step boundary" in _ringray(
         "logs", second, *address).stdout
 
@@ -135,6 +135,29 @@ def test_submit_status_logs_stop_and_resume(ray_head: str, tmp_path: Path) -> No
     statuses = {s["submission_id"]: s["status"] for s in listed}
     assert {first: "SUCCEEDED", second: "STOPPED", third: "SUCCEEDED"}.items() <= \
         statuses.items()
+
+
+def test_stop_while_waiting_for_capacity_stops_within_seconds(ray_head: str,
+                                                              tmp_path: Path) -> None:
+    """A job whose workers need a resource no node has waits for capacity (up to 300 s);
+    `ringray stop` ends it within seconds, STOPPED, saying where it was."""
+    address = ["--address", ray_head]
+    run_dir = tmp_path / "waiting"
+    submitted = _ok(_ringray(
+        "submit", "jobs/quickstart.yaml", *address, "--steps", "4", *_small("sub-waiting"),
+        "--set", "cluster.worker_resources={CPU: 1, nowhere: 1}",
+        "--set", "cluster.capacity_wait_seconds=300", "--run-dir", str(run_dir)))
+    job = submitted.stdout.strip()
+    events = run_dir / "events.jsonl"
+    deadline = time.monotonic() + 120
+    while not (events.exists() and "waiting for capacity" in events.read_text()):
+        assert time.monotonic() < deadline, _ringray("logs", job, *address).stdout[-3000:]
+        time.sleep(0.5)
+    asked = time.monotonic()
+    stopped = _ok(_ringray("stop", job, *address))
+    assert time.monotonic() - asked < 30
+    assert f"{job}: STOPPED" in stopped.stderr
+    assert "stopped before the job was placed" in events.read_text()
 
 
 def test_job_commands_fail_in_one_line(ray_head: str) -> None:

@@ -44,7 +44,7 @@ def test_train_runs_a_job_to_the_end_and_resume_continues_it(tmp_path: Path) -> 
               if e["message"].startswith("state: ")]
     assert states[0] == "starting" and states[-2:] == ["evaluating", "finished"]
     assert (run_dir / "passkey.json").exists()
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+    assert sorted(p.name[:13] for p in (run_dir / "checkpoints").iterdir()) == [
         "step_00000002", "step_00000004"]
 
     # `ringray resume RUN` trains the run's own job.yaml (the spec as run) again.
@@ -83,27 +83,64 @@ def test_a_job_that_cannot_be_placed_fails_with_the_reason(tmp_path: Path) -> No
     assert "Traceback" not in result.stderr + result.stdout
 
 
+def _wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, f"no {what} within {timeout:.0f} s"
+        time.sleep(0.2)
+
+
 def test_ctrl_c_checkpoints_and_stops(tmp_path: Path) -> None:
     """SIGINT (Ctrl-C) while training: the job checkpoints at the next step boundary and
-    stops; the command says so and exits 130; the checkpoint is the last step done."""
+    stops; a second Ctrl-C cannot detach a job from an embedded Ray, and says so; the command
+    exits 130 and the checkpoint is the last step done."""
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([RINGRAY, "train", "jobs/quickstart.yaml", *_short_job(run_dir),
                              "--steps", "100000"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         steps_log = run_dir / "steps.jsonl"
-        deadline = time.monotonic() + 180
-        while not (steps_log.exists() and len(steps_log.read_text().splitlines()) >= 3):
-            assert proc.poll() is None, proc.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "no steps within 180 s"
-            time.sleep(0.2)
+        _wait_for(lambda: steps_log.exists() and len(steps_log.read_text().splitlines()) >= 3,
+                  proc, "steps")
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)
         proc.send_signal(signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130, stderr[-3000:]
-    assert "stopping: checkpoint at the next step boundary" in stderr
+    assert "stopping: checkpoint at the next step boundary, then stop" in stderr
+    assert "still stopping: an embedded Ray cannot be detached" in stderr
     last = json.loads(steps_log.read_text().splitlines()[-1])["step"]
     assert f"job 'cli-test' stopped at step {last}/100000" in stdout
-    assert (run_dir / "checkpoints" / f"step_{last:08d}").is_dir()
+    assert list((run_dir / "checkpoints").glob(f"step_{last:08d}-*"))
+
+
+def test_ctrl_c_during_the_evaluation_ends_it_promptly(tmp_path: Path) -> None:
+    """A long passkey evaluation (after the final checkpoint): Ctrl-C abandons it at once and
+    says so, instead of promising a checkpoint at a step boundary that will not come."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([RINGRAY, "train", "jobs/quickstart.yaml", *_short_job(run_dir),
+                             "--steps", "2", "--set", "eval.passkey_lengths=[4096]",
+                             "--set", "eval.passkey_samples=200"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    events = run_dir / "events.jsonl"
+    try:
+        _wait_for(lambda: events.exists() and "state: evaluating" in events.read_text(),
+                  proc, "evaluation")
+        time.sleep(1.0)  # the CLI's view has seen the state
+        asked = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+        took = time.monotonic() - asked
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "stopping: the passkey evaluation is abandoned" in stderr
+    assert "stop requested during the passkey evaluation: abandoned" in stderr
+    assert "job 'cli-test' stopped at step 2/2" in stdout
+    assert took < 20
+    assert not (run_dir / "passkey.json").exists()

@@ -20,11 +20,20 @@ from ringray.cluster.policy import (
     on_failure,
     track_larger_capacity,
 )
+from ringray.metrics.catalog import RESTART_REASONS
 from ringray.model import model_preset
 from ringray.train import ParallelOptions, TrainOptions
 
+NOT_FAULTS = (FailureKind.PREEMPTED,)
 
-@pytest.mark.parametrize("kind", [k for k in FailureKind if k is not FailureKind.PREEMPTED])
+
+def test_every_failure_kind_is_a_restart_reason_of_the_metrics() -> None:
+    """The metric catalog (below the service, so it cannot import FailureKind) spells the
+    same reasons: a restart is never exported under a label the dashboards do not know."""
+    assert {k.value for k in FailureKind} == set(RESTART_REASONS)
+
+
+@pytest.mark.parametrize("kind", [k for k in FailureKind if k not in NOT_FAULTS])
 def test_faults_are_recovered_until_max_failures_are_used(kind: FailureKind) -> None:
     """Each kind of fault is recovered while fewer than max_failures have been; the next
     one gives up, naming the fault and the budget."""

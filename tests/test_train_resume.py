@@ -42,7 +42,7 @@ def test_resume_reaches_the_uninterrupted_weights(tmp_path: Path) -> None:
     interrupted = replace(options, run_dir=str(tmp_path / "interrupted"))
     first = run_gloo_ranks(2, rank_run_training, [(straight, None), (interrupted, 4)])
     assert first[0][1]["last_step"] == 4
-    assert [r.step for r in CheckpointStore(interrupted.checkpoint_location).complete()] == [3]
+    assert [r.step for r in CheckpointStore(interrupted.checkpoint_location).committed()] == [3]
 
     resumed = run_gloo_ranks(2, rank_run_training, [(interrupted, None)])
     assert resumed[0][0]["resumed_from"] == 3
@@ -60,23 +60,23 @@ def test_resume_reaches_the_uninterrupted_weights(tmp_path: Path) -> None:
 def test_crash_between_shard_write_and_commit_keeps_the_previous_checkpoint(
     tmp_path: Path,
 ) -> None:
-    """Rank 1 dies after its step-5 shards are written, before the commit: step 3 stays
-    the newest complete checkpoint, the partial one is never loaded, and a restarted job
-    resumes from step 3 and finishes (removing the partial one)."""
+    """Rank 0 dies after every rank's step-5 shards are written, before it writes the commit
+    marker: step 3 stays the newest committed checkpoint, the uncommitted directory is never
+    loaded, and a restarted job resumes from step 3, finishes, and removes it."""
     options = tiny_options(str(tmp_path / "run"), parallel={"cp": 2}, train={"steps": 6})
-    with pytest.raises(RanksFailed, match=r"ranks \[1\] exited"):
+    with pytest.raises(RanksFailed, match=r"ranks? \[0"):
         run_gloo_ranks(2, rank_crash_while_saving, options, timeout_seconds=300)
 
     root = Path(options.checkpoint_location)
-    partial = root / "step_00000005.partial"
-    assert partial.is_dir() and any(partial.glob("*.distcp")), "the shards were written"
+    uncommitted = [d for d in root.glob("step_00000005-*")]
+    assert len(uncommitted) == 1 and any(uncommitted[0].glob("*.distcp")), "shards written"
     store = CheckpointStore(options.checkpoint_location)
-    assert [ref.step for ref in store.complete()] == [3]
+    assert [ref.step for ref in store.committed()] == [3]
 
     restarted = run_gloo_ranks(2, rank_run_training, [(options, None)])
     assert restarted[0][0]["resumed_from"] == 3
-    assert [ref.step for ref in store.complete()] == [3, 6]
-    assert not partial.exists()
+    assert [ref.step for ref in store.committed()] == [3, 6]
+    assert not uncommitted[0].exists()
 
 
 def test_dp2_checkpoint_continues_at_dp1(tmp_path: Path) -> None:

@@ -93,8 +93,8 @@ def weights_from_checkpoint(options: TrainOptions) -> dict[str, torch.Tensor]:
 
 
 def rank_crash_while_saving(rank: int, world: int, options: TrainOptions) -> None:
-    """Checkpoint step 3, train to step 5, then die on rank 1 after the shards of step 5 are
-    written and before the checkpoint is committed."""
+    """Checkpoint step 3, train to step 5, then die on rank 0 after every rank's shards of
+    step 5 are written and before the commit marker is."""
     trainer = Trainer(options)
     store = CheckpointStore(options.checkpoint_location)
     for _ in range(3):
@@ -102,9 +102,9 @@ def rank_crash_while_saving(rank: int, world: int, options: TrainOptions) -> Non
     trainer.save_checkpoint(store)
     for _ in range(2):
         trainer.step()
-    if rank == 1:
+    if rank == 0:
         def die(*args, **kwargs):
             os._exit(17)
 
-        store._commit = die  # the crash point: shards written, commit not started
+        store._write_marker = die  # the crash point: every shard written, no marker yet
     trainer.save_checkpoint(store)

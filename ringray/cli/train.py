@@ -42,6 +42,8 @@ def train(
     spec = load_spec(spec_path, overrides, steps=steps)
     job = _with_absolute_paths(spec.job_options())
     address = address or os.environ.get("RAY_ADDRESS")
+    if address is None:  # on a cluster, a running job of this name is reattached to instead
+        _check_run_dir(job)
     options = job.train
     err.print(
         f"ringray: job {job.name!r}, {options.model.num_params() / 1e6:.2f}M-parameter model, "
@@ -52,6 +54,23 @@ def train(
     )
     _write_effective_spec(spec, options.run_dir)
     _run_on_ray(job, address=address)
+
+
+def _check_run_dir(job: JobOptions) -> None:
+    """Before Ray starts: the run directory is not in use by a live run, and a new run
+    (``checkpoint.resume: false``) does not land on another run's checkpoints. The controller
+    checks both again when it starts (the authoritative check)."""
+    from ringray.train.checkpoint import CheckpointStore, LocationInUse, check_new_run
+    from ringray.train.run_lock import RunDirInUse, RunLock
+
+    options = job.train
+    try:
+        RunLock(options.run_dir, job=job.name).check()
+        if not options.checkpoint.resume:
+            check_new_run(CheckpointStore(options.checkpoint_location),
+                          move_aside=options.checkpoint.move_aside)
+    except (RunDirInUse, LocationInUse) as exc:
+        fail(str(exc))
 
 
 def _with_absolute_paths(job: JobOptions) -> JobOptions:
@@ -124,14 +143,22 @@ def _run_on_ray(job: JobOptions, *, address: str | None) -> None:
             try:
                 final = follow(controller, on_status=view.update)
             except KeyboardInterrupt:
-                if view.stopping:
+                presses = view.interrupt()
+                if presses == 1:
+                    view.say(_stopping_message(view.state, embedded=embedded))
+                    request_stop(controller)
+                elif not embedded:
                     err.print("detached; the job goes on (ringray train with the same spec "
                               "reattaches)")
                     raise typer.Exit(code=130) from None
-                view.stopping = True
-                view.say("stopping: checkpoint at the next step boundary (Ctrl-C again to "
-                         "detach)")
-                request_stop(controller)
+                elif presses == 2:
+                    view.say("still stopping: an embedded Ray cannot be detached (the job "
+                             "ends with this command); Ctrl-C once more to quit without "
+                             "waiting (the last committed checkpoint stays)")
+                else:
+                    err.print("quit without waiting for the stop; the last committed "
+                              "checkpoint stays (ringray train resumes from it)")
+                    raise typer.Exit(code=130) from None
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     release(controller)
     _report_end(final, job.train.run_dir)
@@ -139,6 +166,18 @@ def _run_on_ray(job: JobOptions, *, address: str | None) -> None:
         err.print(note, highlight=False)  # again beside the figures it explains
     if final.state == "stopped":
         raise typer.Exit(code=130)  # stopped by Ctrl-C: checkpointed, but not finished
+
+
+def _stopping_message(state: str, *, embedded: bool) -> str:
+    """What the first Ctrl-C does, in the state the job is in."""
+    again = ("Ctrl-C again to quit without waiting" if embedded
+             else "Ctrl-C again to detach")
+    if state == "evaluating":
+        return (f"stopping: the passkey evaluation is abandoned (training is done and its "
+                f"final checkpoint committed) ({again})")
+    if state in ("running", "checkpointing"):
+        return f"stopping: checkpoint at the next step boundary, then stop ({again})"
+    return f"stopping: no checkpoint to take while {state}; the last committed one stays ({again})"
 
 
 def oversubscription_note(*, world: int, cores: int, cp: int) -> str | None:
@@ -171,7 +210,13 @@ class _TrainView:
         self.task = self.progress.add_task("train", total=total_steps, state="placing",
                                            line="")
         self.events_seen = 0.0
-        self.stopping = False
+        self.interrupts = 0
+        self.state = "placing"  # the job's state at the last update
+
+    def interrupt(self) -> int:
+        """Count a Ctrl-C (or SIGTERM); returns how many there have been."""
+        self.interrupts += 1
+        return self.interrupts
 
     def __enter__(self) -> _TrainView:
         self.progress.start()
@@ -189,6 +234,7 @@ class _TrainView:
                 self.events_seen = event.time
                 if not event.message.startswith("state: "):
                     self.say(f"  {event.message}")
+        self.state = status.state
         self.progress.update(self.task, completed=status.step, state=status.state,
                              line=format_status_line(status))
 

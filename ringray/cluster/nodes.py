@@ -2,7 +2,7 @@
 
     snapshots = schedulable_nodes(worker_resources={"GPU": 1}, avoid=set())
     alive = node_liveness()          # {node_id: bool}, dead nodes included
-    drains = draining_nodes()        # {node_id: seconds to the deadline, or None}
+    drains = draining_nodes()        # {node_id: deadline in unix seconds, or None}
 
 Liveness comes from the GCS's own health checks (``health_check_period_ms`` ×
 ``health_check_failure_threshold``: 3 s on the test clusters, about 15 s with Ray's defaults).
@@ -11,7 +11,6 @@ Liveness comes from the GCS's own health checks (``health_check_period_ms`` ×
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Mapping
 
 import ray
@@ -34,14 +33,14 @@ def node_liveness() -> dict[str, bool]:
 
 
 def draining_nodes() -> dict[str, float | None]:
-    """Nodes being drained (e.g. a preemption notice), with the seconds left before their
-    deadline (``None``: no deadline). Ray has no public call for this yet; the GCS state
-    accessor is the one its own autoscaler uses."""
+    """Nodes being drained (e.g. a preemption notice), with their deadline in wall-clock unix
+    seconds (``None``: no deadline). Absolute, so whoever decides later uses the time left
+    then. Ray has no public call for this yet; the GCS state accessor is the one its own
+    autoscaler uses."""
     from ray._private.state import state
 
-    now_ms = time.time() * 1000
     return {
-        node_id: (deadline_ms - now_ms) / 1000 if deadline_ms else None
+        node_id: deadline_ms / 1000 if deadline_ms else None
         for node_id, deadline_ms in state.get_draining_nodes().items()
     }
 

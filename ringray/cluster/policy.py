@@ -23,6 +23,7 @@ class FailureKind(str, Enum):
     PREEMPTED = "preempted"  # a node hosting a worker is draining (preemption notice)
     WORKER_ERROR = "worker_error"  # a step raised (e.g. a collective broken by a dead peer)
     STARTUP = "startup"  # workers or process groups did not come up in time
+    CHECKPOINT_FAILED = "checkpoint_failed"  # a save failed in a way that may pass (I/O)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,6 +31,19 @@ class Failure:
     kind: FailureKind
     detail: str  # one line for the log: which rank, which node, what was seen
     nodes: tuple[str, ...] = ()  # nodes to leave out of the next placement
+
+
+@dataclass(frozen=True, kw_only=True)
+class Drain:
+    """A preemption notice: ``nodes`` (holding ranks of the job) are draining, to be gone at
+    ``deadline_unix`` (wall-clock seconds; ``None``: no deadline given). Absolute, so a
+    decision taken later uses the time actually left."""
+
+    nodes: tuple[str, ...]
+    deadline_unix: float | None
+
+    def seconds_left(self, now_unix: float) -> float | None:
+        return None if self.deadline_unix is None else self.deadline_unix - now_unix
 
 
 @dataclass(frozen=True, kw_only=True)

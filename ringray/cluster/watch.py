@@ -1,16 +1,18 @@
 """Waiting on a job's workers, and turning whatever goes wrong into a :class:`Failure`.
 
-    watch = RingWatch(poll_seconds=0.5, settle_seconds=120, log=print)
+    watch = RingWatch(poll_seconds=0.5, settle_seconds=120, log=record.event)
     watch.track(workers, nodes)                     # once the workers exist
     results = watch.wait([w.run_steps.remote(1) for w in workers], timeout=300,
-                         what="a step", drains=decide)    # or raises FailureSeen / CallTimeout
+                         what="a step", move_now=decide)
+    # raises RingFailure, JobError, CallTimeout (or StopRequested, with should_stop)
 
 While a call is pending it polls the nodes that hold the workers (dead → ``node_died``) and,
 when asked, whether they are draining. A failed call is classified by its cause: a worker
 process that died, a node that died (the GCS may report the node's actors before its node
 table says so, but it names the node in the actors' deaths), a dropped connection whose cause
 is not known yet (waited for), a collective that timed out because a peer stopped (a hang),
-or any other error in a step.
+or any other error in a step. Nothing is swallowed: a probe that fails in an unexpected way
+is logged with its traceback.
 """
 
 from __future__ import annotations
@@ -28,45 +30,30 @@ from ray.exceptions import (
     RayTaskError,
 )
 
+from ringray.cluster.errors import CallTimeout, JobError, RingFailure, StopRequested
 from ringray.cluster.nodes import draining_nodes, node_liveness
-from ringray.cluster.policy import CheckpointFirst, Failure, FailureKind, MoveNow
+from ringray.cluster.policy import Drain, Failure, FailureKind
 
 # How long a probed worker may take to answer before it counts as silent.
 PROBE_SECONDS = 2.0
 # How Ray words an actor's death that its node's death caused (gcs_actor_manager).
 _DEAD_NODE_IN_ACTOR_DEATH = re.compile(r"because its node has died\. Node Id: ([0-9a-f]+)")
 
-DrainDecision = Callable[[float | None], CheckpointFirst | MoveNow]
-
-
-class FailureSeen(Exception):
-    """Something went wrong with the ring: recover from ``failure``."""
-
-    def __init__(self, failure: Failure) -> None:
-        super().__init__(failure.detail)
-        self.failure = failure
-
-
-class CallTimeout(Exception):
-    """Not every worker answered in time (a hang, or a start that never completes)."""
-
-
-class JobError(Exception):
-    """A failure that a restart cannot fix: a worker raised ``ValueError`` (the job's own
-    options are wrong)."""
+MoveNow = Callable[[Drain], str | None]  # why a drain leaves no time to checkpoint, or None
+Log = Callable[..., None]  # log(message, exc=None)
 
 
 class RingWatch:
     """The job's current workers (actor handles, in rank order) and their nodes."""
 
     def __init__(self, *, poll_seconds: float, settle_seconds: float,
-                 log: Callable[[str], None]) -> None:
+                 log: Log) -> None:
         self.poll_seconds = poll_seconds
         self.settle_seconds = settle_seconds  # longest wait for a lost worker's cause
         self.log = log
         self.workers: list = []
         self.nodes: tuple[str, ...] = ()  # node of each rank; () when nothing runs
-        self.drain: tuple[tuple[str, ...], float | None] | None = None  # nodes, seconds left
+        self.drain: Drain | None = None  # a drain notice not yet acted on
 
     def track(self, workers: list, nodes: tuple[str, ...]) -> None:
         """Watch these workers, on these nodes (planned ones until the workers report)."""
@@ -77,14 +64,16 @@ class RingWatch:
 
     # ----------------------------------------------------------------- waiting
     def wait(self, refs: list, *, timeout: float, what: str = "workers to start",
-             drains: DrainDecision | None = None) -> list:
+             move_now: MoveNow | None = None,
+             should_stop: Callable[[], bool] | None = None) -> list:
         """The results of ``refs`` (in order), watching the workers while waiting.
 
         Raises:
-            FailureSeen: a worker died, its node died, or a call raised; with ``drains``, a
-                drain whose deadline leaves no time for a checkpoint.
+            RingFailure: a worker died, its node died, or a call raised; with ``move_now``, a
+                drain that leaves no time for a checkpoint.
             JobError: a call raised ``ValueError``.
             CallTimeout: not every result within ``timeout`` seconds.
+            StopRequested: ``should_stop`` turned true (the calls are abandoned).
         """
         deadline = time.monotonic() + timeout
         rank_of = {ref: i for i, ref in enumerate(refs)}
@@ -96,9 +85,11 @@ class RingWatch:
                     results[ref] = self._result(ref, rank_of[ref])
             if not pending:
                 return [results[ref] for ref in refs]
+            if should_stop is not None and should_stop():
+                raise StopRequested(f"stopped while waiting for {what}")
             self.check_nodes()
-            if drains is not None:
-                self.check_drains(drains)
+            if move_now is not None:
+                self.check_drains(move_now)
             if time.monotonic() > deadline:
                 late = [rank_of[ref] for ref in pending]
                 raise CallTimeout(f"no answer from rank(s) {_ranks(late)} within "
@@ -108,14 +99,14 @@ class RingWatch:
         try:
             return ray.get(ref)
         except ActorUnavailableError:
-            raise FailureSeen(self._settle_lost_contact(rank)) from None
+            raise RingFailure(self._settle_lost_contact(rank)) from None
         except RayActorError as exc:
-            raise FailureSeen(self._actor_death(rank, exc)) from None
+            raise RingFailure(self._actor_death(rank, exc)) from None
         except RayTaskError as exc:
             cause = exc.cause if isinstance(exc.cause, BaseException) else None
             if isinstance(cause, ValueError):
                 raise JobError(f"rank {rank}: {cause}") from None
-            raise FailureSeen(self._step_error(rank, cause or exc)) from None
+            raise RingFailure(self._step_error(rank, cause or exc)) from None
 
     def _step_error(self, rank: int, error: BaseException) -> Failure:
         """A call that raised. A collective broken by a dead or stopped peer lands here too;
@@ -172,29 +163,31 @@ class RingWatch:
                 if not alive.get(node, False)}
         if dead:
             ranks = sorted(r for rs in dead.values() for r in rs)
-            raise FailureSeen(Failure(
+            raise RingFailure(Failure(
                 kind=FailureKind.NODE_DIED, nodes=tuple(sorted(dead)),
                 detail=f"node(s) {short_nodes(dead)} died, taking rank(s) {_ranks(ranks)}",
             ))
 
-    def check_drains(self, decide: DrainDecision) -> None:
-        """Note a drain of a node holding a rank (once) in :attr:`drain`; raise
-        ``preempted`` at once when ``decide`` says there is no time to checkpoint first."""
+    def check_drains(self, move_now: MoveNow) -> None:
+        """Note a drain of a node holding a rank (once) in :attr:`drain`; raise ``preempted``
+        at once when ``move_now`` says there is no time to checkpoint first."""
         ours = self._ranks_by_node()
-        draining = {node: left for node, left in draining_nodes().items() if node in ours}
+        draining = {node: deadline for node, deadline in draining_nodes().items()
+                    if node in ours}
         if not draining or self.drain is not None:
             return
-        lefts = [left for left in draining.values() if left is not None]
-        seconds_left = min(lefts) if lefts else None
-        self.drain = (tuple(sorted(draining)), seconds_left)
+        deadlines = [d for d in draining.values() if d is not None]
+        drain = Drain(nodes=tuple(sorted(draining)),
+                      deadline_unix=min(deadlines) if deadlines else None)
+        self.drain = drain
+        left = drain.seconds_left(time.time())
         self.log(f"node(s) {short_nodes(draining)} draining"
-                 + (f", {seconds_left:.0f} s to the deadline" if seconds_left else ""))
-        decision = decide(seconds_left)
-        if isinstance(decision, MoveNow):
+                 + (f", {left:.0f} s to the deadline" if left is not None else ""))
+        why = move_now(drain)
+        if why is not None:
             self.drain = None
-            raise FailureSeen(Failure(kind=FailureKind.PREEMPTED, nodes=tuple(sorted(draining)),
-                                      detail=f"node(s) {short_nodes(draining)} draining; "
-                                      f"{decision.why}"))
+            raise RingFailure(Failure(kind=FailureKind.PREEMPTED, nodes=drain.nodes,
+                                      detail=f"node(s) {short_nodes(draining)} draining; {why}"))
 
     def silent_ranks(self, *, raise_for_dead: bool = False) -> list[int]:
         """Ranks that do not answer a health probe within :data:`PROBE_SECONDS`; with
@@ -206,13 +199,14 @@ class RingWatch:
                 ray.get(probe, timeout=PROBE_SECONDS)
             except ActorUnavailableError:
                 if raise_for_dead:
-                    raise FailureSeen(self._settle_lost_contact(rank)) from None
+                    raise RingFailure(self._settle_lost_contact(rank)) from None
                 silent.append(rank)
             except RayActorError as exc:
                 if raise_for_dead:
-                    raise FailureSeen(self._actor_death(rank, exc)) from None
+                    raise RingFailure(self._actor_death(rank, exc)) from None
                 silent.append(rank)
-            except Exception:
+            except Exception as exc:  # not a known death: say what it was
+                self.log(f"rank {rank}: health probe failed: {_first_line(exc)}", exc=exc)
                 silent.append(rank)
         return silent
 

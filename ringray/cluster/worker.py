@@ -4,9 +4,10 @@ The controller creates one per rank inside the job's placement group, then drive
 
     host, port = worker0.rendezvous_address()          # rank 0 only
     worker.join(host=host, port=port, backend="gloo", timeout_seconds=60)   # every rank
-    worker.build(options, checkpoint)                   # every rank: Trainer (+ restore)
+    plan = worker0.run_plan(location=..., lineage=None, resume=True, move_aside=False)
+    worker.build(options, plan)                         # every rank: Trainer (+ restore)
     worker.run_steps(1) -> [StepStats]                  # every rank, in step
-    worker.checkpoint() -> CheckpointRef                # every rank (collective)
+    worker.checkpoint() -> (CheckpointRef, warnings)    # every rank (collective)
     worker.health() -> WorkerHealth                     # any time, answered between steps too
 
 Nothing here decides anything: the worker never retries, never re-forms a group, never
@@ -24,10 +25,12 @@ from datetime import timedelta
 import ray
 import torch.distributed as dist
 
+from ringray.cluster.machine import Built
 from ringray.cluster.status import WorkerHealth
 from ringray.data import PasskeyReport
 from ringray.train import CheckpointRef, CheckpointStore, StepStats, Trainer, TrainOptions
-from ringray.train.loop import evaluate_passkey_retrieval
+from ringray.train.checkpoint import RunPlan, plan_run
+from ringray.train.loop import evaluate_passkey_retrieval, restore_newest
 
 
 class TrainWorker:
@@ -79,19 +82,29 @@ class TrainWorker:
             self._busy_since = None
 
     # ----------------------------------------------------------------- training
-    def latest_checkpoint(self, location: str) -> CheckpointRef | None:
-        """The newest complete checkpoint at ``location``, as this node sees it."""
-        return CheckpointStore(location).latest()
+    def run_plan(self, *, location: str, lineage: str | None, resume: bool,
+                 move_aside: bool) -> RunPlan:
+        """The run's lineage and restore candidates, newest first, as this node sees the
+        checkpoint location: at the first start (``lineage`` None) per ``resume`` and
+        ``move_aside`` (:func:`~ringray.train.checkpoint.plan_run`); later, the committed
+        checkpoints of ``lineage``."""
+        store = CheckpointStore(location)
+        if lineage is None:
+            return plan_run(store, resume=resume, move_aside=move_aside)
+        return RunPlan(lineage=lineage, restore=tuple(store.of_lineage(lineage)))
 
-    def build(self, options: TrainOptions, checkpoint: CheckpointRef | None) -> int:
-        """Create the trainer (collective) and restore ``checkpoint``; returns the step."""
+    def build(self, options: TrainOptions, run: RunPlan) -> Built:
+        """Create the trainer (collective) and restore the newest usable checkpoint of ``run``,
+        falling back past corrupt ones (each refusal is reported, one line)."""
         self._busy_since = time.monotonic()
         try:
             self.trainer = Trainer(options)
-            self.store = CheckpointStore(options.checkpoint_location)
-            if checkpoint is not None:
-                self.trainer.load_checkpoint(self.store, checkpoint)
-            return self.trainer.step_count
+            self.store = CheckpointStore(options.checkpoint_location, lineage=run.lineage)
+            refused: list[str] = []
+            restored = restore_newest(self.trainer, self.store, run.restore,
+                                      on_refused=refused.append)
+            return Built(step=self.trainer.step_count, restored=restored,
+                         refused=tuple(refused))
         finally:
             self._busy_since = None
 
@@ -104,12 +117,15 @@ class TrainWorker:
         finally:
             self._busy_since = None
 
-    def checkpoint(self) -> CheckpointRef:
-        """Write and commit a checkpoint of the current step (collective)."""
+    def checkpoint(self) -> tuple[CheckpointRef, tuple[str, ...]]:
+        """Write and commit a checkpoint of the current step (collective); the ref and what
+        went wrong without failing it (pruning)."""
         trainer = self._built()
         self._busy_since = time.monotonic()
         try:
-            return trainer.save_checkpoint(self.store)
+            ref = trainer.save_checkpoint(self.store)
+            warnings, self.store.warnings = tuple(self.store.warnings), []
+            return ref, warnings
         finally:
             self._busy_since = None
 

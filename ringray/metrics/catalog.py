@@ -32,7 +32,8 @@ CONTROLLER_STATES = (
     "resizing", "finished", "failed", "stopped",
 )
 # Why a ring was rebuilt (``ringray.cluster.policy.FailureKind`` values): the ``reason`` label.
-RESTART_REASONS = ("actor_died", "node_died", "hang", "preempted", "worker_error", "startup")
+RESTART_REASONS = ("actor_died", "node_died", "hang", "preempted", "worker_error", "startup",
+                   "checkpoint_failed")
 
 
 @dataclass(frozen=True)

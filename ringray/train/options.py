@@ -113,11 +113,19 @@ class CheckpointOptions:
     interval: Annotated[int, Ge(0)] = 0
     """Steps between checkpoints; 0, or more than train.steps: only the final checkpoint."""
     keep: Annotated[int, Ge(1)] = 3
-    """Complete checkpoints kept (older ones are deleted)."""
+    """Committed checkpoints of this run kept (its older ones are deleted; other runs' never)."""
     resume: bool = True
-    """Resume from the newest complete checkpoint."""
+    """Resume from the newest complete checkpoint of the newest run at checkpoint.path; false
+    starts a new run, and is refused if checkpoints of an earlier run are there (see
+    move_aside)."""
+    move_aside: bool = False
+    """With resume false: move an earlier run's checkpoints (and the run directory's
+    steps.jsonl and events.jsonl) aside to <name>.previous-<unix time> instead of refusing."""
 
     def __post_init__(self) -> None:
+        if self.move_aside and self.resume:
+            raise ValueError("move_aside: only used with resume: false (a resumed run keeps "
+                             "its checkpoints); set resume: false, or drop move_aside")
         if self.path is not None and "://" in self.path:
             scheme = self.path.split("://", 1)[0]
             if scheme not in fsspec.available_protocols():

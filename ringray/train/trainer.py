@@ -31,7 +31,7 @@ from ringray.attention import Layout, RingStats, make_layout
 from ringray.attention.comm import RingComm, ring_transfer_seconds
 from ringray.data import ByteTokenizer, PackedLoader, make_source
 from ringray.model import RingContext, Transformer
-from ringray.train.checkpoint import CheckpointRef, CheckpointStore
+from ringray.train.checkpoint import CheckpointError, CheckpointRef, CheckpointStore
 from ringray.train.mesh import Mesh, build_mesh, resolve_mesh_shape
 from ringray.train.options import TrainOptions
 from ringray.train.schedule import learning_rate
@@ -301,17 +301,43 @@ class Trainer:
         }
 
     def save_checkpoint(self, store: CheckpointStore) -> CheckpointRef:
-        """Write and commit a checkpoint of the current step (collective)."""
-        return store.save(self.step_count, self.state_dict(), keep=self.options.checkpoint.keep)
+        """Write and commit a checkpoint of the current step (collective). The model's config
+        goes into the commit marker, so a resume can compare it before loading a tensor."""
+        return store.save(self.step_count, self.state_dict(), keep=self.options.checkpoint.keep,
+                          extra={"model_config": self.options.model.to_dict()})
+
+    def check_model_config(self, store: CheckpointStore, ref: CheckpointRef) -> None:
+        """Raise :class:`CheckpointError` (one line naming the fields and both values) if
+        ``ref`` was trained with another model: before any tensor is read, so a changed shape
+        is reported as such rather than as a tensor that does not fit."""
+        saved = store.marker(ref).get("model_config")
+        if saved is None:  # a checkpoint from before configs were in the marker
+            return
+        current = self.options.model.to_dict()
+        changed = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+        if changed:
+            detail = ", ".join(f"{k}: {saved.get(k)!r} in the checkpoint, {current.get(k)!r} "
+                               f"now" for k in changed)
+            raise CheckpointError(
+                f"model: checkpoint {ref.location} was trained with a different model "
+                f"({detail}); start a new run (another checkpoint.path) or restore the "
+                f"model's settings")
 
     def load_checkpoint(self, store: CheckpointStore, ref: CheckpointRef) -> None:
-        """Restore weights, optimizer, schedule position, loader position and RNG state."""
+        """Restore weights, optimizer, schedule position, loader position and RNG state.
+
+        Raises:
+            CheckpointError: another model's checkpoint (see :meth:`check_model_config`).
+            CheckpointCorrupt: files missing, truncated or unreadable (the caller may fall
+                back to an earlier checkpoint).
+        """
+        self.check_model_config(store, ref)
         state = self.state_dict()
         store.load(ref, state)
         saved_config, config = json.loads(state["model_config"]), self.options.model.to_dict()
-        if saved_config != config:
+        if saved_config != config:  # checkpoints whose marker has no config
             changed = sorted(k for k in saved_config if saved_config[k] != config.get(k))
-            raise ValueError(
+            raise CheckpointError(
                 f"model: checkpoint {ref.location} was trained with a different model "
                 f"(fields that differ: {changed})"
             )

@@ -1,0 +1,418 @@
+"""The job's state machine: one handler per state, each returning the next state (no Ray here).
+
+    machine = JobMachine(job, ring, record, stop_requested=event.is_set)
+    state = Placing()
+    while not state.terminal:
+        state = machine.step(state)
+
+Side effects go through two seams. :class:`Ring` does everything to the workers (the Ray
+implementation is :class:`ringray.cluster.ray_ring.RayRing`; the tests use a fake one and step
+the machine one transition at a time), and :class:`~ringray.cluster.record.JobRecord` records
+everything (events, steps, metrics, restarts). What to do is decided by the pure policies of
+:mod:`ringray.cluster.policy`.
+
+A stop is honoured in every state: training checkpoints first (unless its step is already
+saved); a checkpoint in progress is finished; placing, starting, recovering, resizing and an
+evaluation end at once. A failure in any state leads to a recovery (or, when a retry cannot
+help, to ``Failed`` naming the cause); a failed checkpoint taken for a drain still leads to the
+preemption's move, restoring the previous checkpoint, never counted as a fault.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from ringray.cluster.errors import JobError, RingFailure, StopRequested
+from ringray.cluster.job_options import JobOptions
+from ringray.cluster.placement import PlacementError, PlacementPlan
+from ringray.cluster.policy import (
+    CheckpointFirst,
+    Drain,
+    Failure,
+    FailureKind,
+    GiveUp,
+    dp_options,
+    grow_to,
+    on_drain,
+    on_failure,
+    track_larger_capacity,
+)
+from ringray.cluster.record import JobRecord
+from ringray.cluster.states import (
+    Checkpointing,
+    Continue,
+    Evaluate,
+    Evaluating,
+    Failed,
+    Finished,
+    MoveOff,
+    Placing,
+    Recovering,
+    Resizing,
+    Running,
+    Starting,
+    State,
+    StopAfter,
+    Stopped,
+)
+from ringray.data import PasskeyReport
+from ringray.train import CheckpointRef, StepStats, TrainOptions
+from ringray.train.checkpoint import RunPlan
+
+
+@dataclass(frozen=True, kw_only=True)
+class Built:
+    """What a (re)start restored."""
+
+    step: int  # the trainers' step after the restore (0: a fresh start)
+    restored: CheckpointRef | None
+    refused: tuple[str, ...] = ()  # why each newer checkpoint was refused (one line each)
+
+
+class Ring(Protocol):
+    """Everything the machine does to the job's workers. Waits raise :class:`RingFailure`,
+    :class:`JobError`, or (when ``interruptible``) :class:`StopRequested`."""
+
+    def plan(self, dp_choices: tuple[int, ...], *, avoid: frozenset[str]) -> PlacementPlan:
+        """The placement on the live nodes (raises ``PlacementError`` when none fits)."""
+
+    def ask_for_full_size(self) -> None:
+        """Ask the autoscaler for the job's full size (when the job allows it)."""
+
+    def start(self, plan: PlacementPlan) -> None:
+        """Create the workers where ``plan`` puts them and form their process group."""
+
+    def run_plan(self, *, lineage: str | None) -> RunPlan:
+        """The run's lineage and restore candidates: at the first start (``lineage`` None),
+        per the job's resume options; later, the newest checkpoints of ``lineage``."""
+
+    def build(self, options: TrainOptions, run: RunPlan) -> Built:
+        """Build the trainers and restore the newest usable candidate."""
+
+    def step(self, *, move_now: Callable[[Drain], str | None]) -> StepStats:
+        """One training step on every rank. A drain seen meanwhile is noted for
+        :meth:`take_drain`, or, when ``move_now`` gives a reason, raised at once as a
+        preemption."""
+
+    def checkpoint(self) -> tuple[CheckpointRef, tuple[str, ...]]:
+        """Save and commit the current step; the ref and any warnings (pruning)."""
+
+    def evaluate(self) -> PasskeyReport | None:
+        """The passkey evaluation (interruptible by a stop)."""
+
+    def poll(self) -> None:
+        """Look at the nodes between steps (raises RingFailure for a dead one; notes drains)."""
+
+    def take_drain(self) -> Drain | None:
+        """A drain notice seen since the last call (then forgotten), or ``None``."""
+
+    def feasible_dp(self, dp_choices: tuple[int, ...], *, avoid: frozenset[str]) -> int:
+        """The largest dp the live nodes hold now (0: none)."""
+
+    def teardown(self) -> None:
+        """Kill every worker and free their resources (problems are recorded as events)."""
+
+
+class JobMachine:
+    """The transitions of one job. Besides the state, it remembers only facts about the run
+    (its lineage, the last step saved, the faults used, the nodes to avoid), never what to do
+    next: that is the state's."""
+
+    def __init__(
+        self,
+        job: JobOptions,
+        ring: Ring,
+        record: JobRecord,
+        *,
+        stop_requested: Callable[[], bool],
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.job = job
+        self.ring = ring
+        self.record = record
+        self.stop_requested = stop_requested
+        self.clock, self.wall_clock, self.sleep = clock, wall_clock, sleep
+        self.lineage: str | None = None  # decided at the first start
+        self.step_count = 0
+        self.saved_step: int | None = None  # the step of the newest committed checkpoint
+        self.failures_used = 0
+        self.avoid: frozenset[str] = frozenset()
+        self.plan: PlacementPlan | None = None
+        self.larger_since: float | None = None
+        self.last_stats: StepStats | None = None
+        self.checkpoint_seconds: float | None = None
+        self._polled_at = -math.inf
+        self._handlers: dict[type, Callable[[State], State]] = {
+            Placing: self._place, Starting: self._start, Running: self._run,
+            Checkpointing: self._checkpoint, Evaluating: self._evaluate,
+            Recovering: self._recover, Resizing: self._resize,
+        }
+
+    @property
+    def total_steps(self) -> int:
+        return self.job.train.train.steps
+
+    def _dp_choices(self) -> tuple[int, ...]:
+        return dp_options(dp_min=self.job.dp_min, dp_max=self.job.dp_max,
+                          global_batch=self.job.train.train.global_batch)
+
+    # ----------------------------------------------------------------- one transition
+    def step(self, state: State) -> State:
+        """Run ``state``'s handler (or its stop variant) and return the next state."""
+        if state.terminal:
+            return state
+        if self.stop_requested():
+            stopping = self._stopping(state)
+            if stopping != state:  # Stopped, or a checkpoint to take first (its own step)
+                return stopping
+        return self._handlers[type(state)](state)
+
+    def _stopping(self, state: State) -> State:
+        """What a stop means in ``state`` (idempotent: a state already stopping stays)."""
+        if isinstance(state, Running):
+            if self.saved_step == self.step_count:
+                return self._stop(f"stopped at step {self.step_count} (its checkpoint is "
+                                  f"committed)")
+            return Checkpointing(then=StopAfter())
+        if isinstance(state, Checkpointing):
+            return state if isinstance(state.then, StopAfter) else Checkpointing(then=StopAfter())
+        if isinstance(state, Evaluating):
+            return self._stop(f"stop requested during the passkey evaluation: abandoned (the "
+                              f"final checkpoint, step {self.saved_step}, is committed)")
+        where = {Placing: "before the job was placed", Starting: "while the workers started",
+                 Recovering: "while recovering", Resizing: "while resizing"}[type(state)]
+        saved = (f"; the last committed checkpoint is step {self.saved_step}"
+                 if self.saved_step is not None else "")
+        return self._stop(f"stopped {where}{saved}")
+
+    def _stop(self, reason: str) -> Stopped:
+        self._teardown()
+        self.record.event(reason)
+        return Stopped(reason=reason)
+
+    def _fail(self, error: str) -> Failed:
+        self._teardown()
+        return Failed(error=error)
+
+    def _teardown(self) -> None:
+        self.ring.teardown()
+        self.record.torn_down()
+
+    # ----------------------------------------------------------------- placing
+    def _place(self, state: Placing) -> State:
+        try:
+            plan = self.ring.plan(self._dp_choices(), avoid=self.avoid)
+        except PlacementError as exc:
+            return self._wait_for_capacity(state, str(exc))
+        if plan.dp < self.job.dp_max:
+            self.record.event(f"running at dp={plan.dp} of {self.job.dp_max}: the live nodes "
+                              f"have room for no more; asking the autoscaler for the full size")
+            self.ring.ask_for_full_size()
+        self.plan = plan
+        self.record.placed(plan)
+        return Starting(plan=plan)
+
+    def _wait_for_capacity(self, state: Placing, why: str) -> State:
+        now = self.clock()
+        since = state.waiting_since
+        if since is None:
+            since = now
+            self.record.event(f"waiting for capacity: {why}")
+            self.ring.ask_for_full_size()
+        limit = self.job.cluster.capacity_wait_seconds
+        if now - since > limit:
+            return self._fail(f"{why} (waited {limit:.0f} s, cluster.capacity_wait_seconds)")
+        self.sleep(self.job.cluster.poll_seconds)
+        return Placing(waiting_since=since)
+
+    # ----------------------------------------------------------------- starting
+    def _start(self, state: Starting) -> State:
+        plan = state.plan
+        try:
+            self.ring.start(plan)
+            run = self.ring.run_plan(lineage=self.lineage)
+            if self.lineage is None and run.moved_aside_to:
+                self.record.moved_aside(run.moved_aside_to)
+            self.lineage = run.lineage
+            options = replace(self.job.train, parallel=replace(
+                self.job.train.parallel, dp=plan.dp, cp=plan.cp))
+            built = self.ring.build(options, run)
+        except StopRequested:
+            return self._stopping(state)
+        except RingFailure as exc:
+            return Recovering(failure=exc.failure)
+        except JobError as exc:
+            return self._fail(str(exc))
+        for why in built.refused:
+            self.record.event(f"refused {why}; falling back to the previous checkpoint")
+        self.step_count = built.step
+        self.saved_step = built.restored.step if built.restored else None
+        self.larger_since = None
+        self.record.started(plan, step=built.step, restored=built.restored)
+        return Running()
+
+    # ----------------------------------------------------------------- running
+    def _run(self, state: Running) -> State:
+        drain = self.ring.take_drain()
+        if drain is not None:
+            return self._on_drain(drain)
+        if self.step_count >= self.total_steps:
+            if self.saved_step != self.step_count:
+                return Checkpointing(then=Evaluate())
+            return Evaluating()
+        try:
+            if self.clock() - self._polled_at >= self.job.cluster.poll_seconds:
+                # Steps shorter than a poll finish before a wait looks at the nodes: look
+                # between them, at most once a poll (each look is a GCS query).
+                self._polled_at = self.clock()
+                self.ring.poll()
+                self._track_capacity()
+                drain = self.ring.take_drain()
+                if drain is not None:
+                    return self._on_drain(drain)
+            stats = self.ring.step(move_now=self._move_now)
+        except RingFailure as exc:
+            return Recovering(failure=exc.failure)
+        except JobError as exc:
+            return self._fail(str(exc))
+        self.step_count, self.last_stats = stats.step, stats
+        self.record.step(stats)
+        interval = self.job.train.checkpoint.interval
+        if stats.step >= self.total_steps:
+            return Checkpointing(then=Evaluate())
+        if interval and stats.step % interval == 0:
+            return Checkpointing(then=Continue())
+        return Running()
+
+    def _move_now(self, drain: Drain) -> str | None:
+        """Why there is no time to checkpoint before the drain deadline, or ``None``; decided
+        with the time left *now* (the deadline is absolute)."""
+        decision = on_drain(
+            seconds_left=drain.seconds_left(self.wall_clock()),
+            step_seconds=self.last_stats.step_seconds if self.last_stats else None,
+            checkpoint_seconds=self.checkpoint_seconds,
+        )
+        return None if isinstance(decision, CheckpointFirst) else decision.why
+
+    def _on_drain(self, drain: Drain) -> State:
+        """A preemption notice: checkpoint first when the deadline leaves time, then move."""
+        nodes = ", ".join(n[:8] for n in drain.nodes)
+        failure = Failure(kind=FailureKind.PREEMPTED, nodes=drain.nodes,
+                          detail=f"node(s) {nodes} draining")
+        why = self._move_now(drain)
+        if why is not None:
+            return Recovering(failure=replace(failure, detail=f"{failure.detail}; {why}"))
+        if self.saved_step == self.step_count:
+            self.record.event(f"{failure.detail}: step {self.step_count} is already "
+                              f"checkpointed; moving")
+            return Recovering(failure=failure)
+        self.record.event(f"{failure.detail}: checkpointing before moving")
+        return Checkpointing(then=MoveOff(failure=failure))
+
+    def _track_capacity(self) -> None:
+        """While running smaller than asked, note since when the live nodes hold more."""
+        if self.plan is not None and self.plan.dp < self.job.dp_max:
+            self.larger_since = track_larger_capacity(
+                self.larger_since, current_dp=self.plan.dp,
+                feasible_dp=self.ring.feasible_dp(self._dp_choices(), avoid=self.avoid),
+                now=self.clock(),
+            )
+
+    # ----------------------------------------------------------------- checkpointing
+    def _checkpoint(self, state: Checkpointing) -> State:
+        then = state.then
+        started = self.clock()
+        try:
+            ref, warnings = self.ring.checkpoint()
+        except (RingFailure, JobError) as exc:
+            return self._checkpoint_failed(then, exc)
+        self.checkpoint_seconds = self.clock() - started
+        self.saved_step = ref.step
+        self.record.checkpointed(ref, seconds=self.checkpoint_seconds)
+        for warning in warnings:
+            self.record.event(f"warning: {warning}")
+        if isinstance(then, MoveOff):
+            return Recovering(failure=then.failure)
+        if isinstance(then, StopAfter):
+            return self._stop(f"stopped at step {ref.step} (checkpointed)")
+        if isinstance(then, Evaluate):
+            return Evaluating()
+        return self._after_interval_checkpoint()
+
+    def _checkpoint_failed(self, then: object, exc: RingFailure | JobError) -> State:
+        why = exc.failure.detail if isinstance(exc, RingFailure) else str(exc)
+        if isinstance(then, MoveOff):  # the node is going anyway: move, restore the previous
+            self.record.event(f"the checkpoint before moving failed ({why}); moving, from the "
+                              f"previous checkpoint")
+            failure = then.failure
+            return Recovering(failure=replace(failure, detail=f"{failure.detail}; its "
+                                              f"checkpoint failed: {why}"))
+        if isinstance(exc, JobError):  # a full disk, a permission error: not retried
+            return self._fail(f"checkpoint failed and will not succeed on a retry: {why}")
+        failure = exc.failure
+        if failure.kind is FailureKind.WORKER_ERROR:
+            failure = replace(failure, kind=FailureKind.CHECKPOINT_FAILED)
+        return Recovering(failure=failure)
+
+    def _after_interval_checkpoint(self) -> State:
+        if self.plan is None or self.plan.dp >= self.job.dp_max:
+            return Running()
+        grow = grow_to(
+            current_dp=self.plan.dp,
+            feasible_dp=self.ring.feasible_dp(self._dp_choices(), avoid=self.avoid),
+            larger_since=self.larger_since, now=self.clock(),
+            grow_after_seconds=self.job.cluster.grow_after_seconds,
+        )
+        if grow is None:
+            return Running()
+        self.record.event(f"growing from dp={self.plan.dp} to dp={grow} at step "
+                          f"{self.step_count}")
+        return Resizing(to_dp=grow)
+
+    # ----------------------------------------------------------------- evaluating
+    def _evaluate(self, state: Evaluating) -> State:
+        passkey = self.job.train.eval
+        if not passkey.passkey_lengths:
+            self._teardown()
+            return Finished()
+        self.record.event(f"passkey retrieval at lengths {list(passkey.passkey_lengths)}")
+        try:
+            report = self.ring.evaluate()
+        except StopRequested:
+            return self._stopping(state)
+        except RingFailure as exc:
+            return Recovering(failure=exc.failure)
+        except JobError as exc:
+            return self._fail(str(exc))
+        if report is not None:
+            self.record.passkey(report)
+        self._teardown()
+        return Finished()
+
+    # ----------------------------------------------------------------- recovering, resizing
+    def _recover(self, state: Recovering) -> State:
+        failure = state.failure
+        decision = on_failure(failure, restarts=self.failures_used,
+                              max_failures=self.job.cluster.max_failures)
+        world = self.plan.world_size if self.plan else 0
+        self.record.event(f"{failure.kind.value}: {failure.detail}")
+        self._teardown()
+        if isinstance(decision, GiveUp):
+            return Failed(error=decision.reason)
+        if decision.counts_as_failure:
+            self.failures_used += 1
+        self.avoid = self.avoid | frozenset(decision.avoid_nodes)
+        self.record.restart(failure, failed_at_step=self.step_count, world_size=world,
+                            failures_used=self.failures_used)
+        return Placing()
+
+    def _resize(self, state: Resizing) -> State:
+        self._teardown()
+        self.record.resized()
+        return Placing()

@@ -1,0 +1,235 @@
+"""The job's workers on Ray: what :class:`~ringray.cluster.machine.Ring` asks for, done.
+
+    ring = RayRing(job, record, should_stop=stop_event.is_set)
+    plan = ring.plan(dp_choices, avoid=frozenset())
+    ring.start(plan); run = ring.run_plan(lineage=None); built = ring.build(options, run)
+    stats = ring.step(move_now=decide)
+    ring.teardown()
+
+Workers are created in a placement group whose bundles are pinned to the planned nodes (Ray's
+``ray.io/node-id`` label), checked against the plan once they report where they run, and
+joined into one process group through rank 0's TCP rendezvous. Every wait goes through
+:class:`~ringray.cluster.watch.RingWatch`, which turns what goes wrong into
+:class:`~ringray.cluster.errors.RingFailure` (or :class:`JobError` when a retry cannot help).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from ringray.cluster.errors import CallTimeout, JobError, RingFailure
+from ringray.cluster.job_options import JobOptions
+from ringray.cluster.machine import Built
+from ringray.cluster.nodes import NODE_ID_LABEL, schedulable_nodes
+from ringray.cluster.placement import (
+    LinkBandwidths,
+    PlacementError,
+    PlacementPlan,
+    plan_placement,
+    verify_placement,
+)
+from ringray.cluster.policy import Drain, Failure, FailureKind
+from ringray.cluster.record import JobRecord
+from ringray.cluster.watch import RingWatch
+from ringray.cluster.worker import TrainWorker
+from ringray.data import PasskeyReport
+from ringray.train import CheckpointRef, StepStats, TrainOptions
+from ringray.train.checkpoint import RunPlan
+
+# The ranks' collectives time out well after the controller's step timeout, so a hang is
+# seen (and reported) by the controller, not as a survivor's collective error.
+COLLECTIVE_TIMEOUT_FACTOR = 2
+# The passkey evaluation runs this many cells per step timeout.
+_EVAL_CELLS_PER_TIMEOUT = 8
+
+
+class RayRing:
+    """The current workers of one job (none between a teardown and the next start)."""
+
+    def __init__(self, job: JobOptions, record: JobRecord, *,
+                 should_stop: Callable[[], bool]) -> None:
+        self.job = job
+        self.record = record
+        self.should_stop = should_stop
+        self.cluster = job.cluster
+        self.watch = RingWatch(poll_seconds=job.cluster.poll_seconds,
+                               settle_seconds=job.cluster.startup_timeout_seconds,
+                               log=record.event)
+        self.workers: list = []
+        self.pg = None
+        self.plan_: PlacementPlan | None = None
+
+    # ----------------------------------------------------------------- placement
+    def plan(self, dp_choices: tuple[int, ...], *, avoid: frozenset[str]) -> PlacementPlan:
+        nodes = schedulable_nodes(worker_resources=self.job.worker_resources, avoid=set(avoid))
+        bandwidths = LinkBandwidths(**{
+            name: value for name, value in (
+                ("intra_node_gbps", self.cluster.intra_node_gbps),
+                ("inter_node_gbps", self.cluster.inter_node_gbps),
+            ) if value is not None
+        })
+        return plan_placement(
+            nodes, cp=self.job.cp, dp_options=dp_choices,
+            failure_domain=self.cluster.failure_domain, bandwidths=bandwidths,
+            kv_block_bytes=self._kv_block_bytes(),
+        )
+
+    def feasible_dp(self, dp_choices: tuple[int, ...], *, avoid: frozenset[str]) -> int:
+        try:
+            return self.plan(dp_choices, avoid=avoid).dp
+        except PlacementError:
+            return 0
+
+    def _kv_block_bytes(self) -> int:
+        """Bytes of the K/V block one rank passes per layer and ring step, at the target dp."""
+        model, train = self.job.train.model, self.job.train.train
+        element = 2 if self.cluster.accelerator == "gpu" else 4
+        local_batch = max(1, train.global_batch // self.job.dp_max)
+        return (2 * local_batch * (train.seq_len // self.job.cp) * model.n_kv_heads
+                * model.head_dim * element)
+
+    def ask_for_full_size(self) -> None:
+        if self.cluster.request_resources:
+            request_resources([self.job.worker_resources] * (self.job.dp_max * self.job.cp))
+
+    # ----------------------------------------------------------------- starting
+    def start(self, plan: PlacementPlan) -> None:
+        timeout = self.cluster.startup_timeout_seconds
+        try:
+            self._create_workers(plan)
+            healths = self.watch.wait([w.health.remote() for w in self.workers],
+                                      timeout=timeout, should_stop=self.should_stop)
+            try:
+                verify_placement(plan, [h.node_id for h in healths])
+            except PlacementError as exc:
+                raise JobError(f"workers did not land where planned: {exc}") from None
+            self.watch.track(self.workers, tuple(h.node_id for h in healths))
+            self.record.workers(tuple(healths))
+            host, port = self.watch.wait([self.workers[0].rendezvous_address.remote()],
+                                         timeout=timeout, should_stop=self.should_stop)[0]
+            self.watch.wait(
+                [w.join.remote(host=host, port=port,
+                               backend=self.cluster.process_group_backend,
+                               timeout_seconds=COLLECTIVE_TIMEOUT_FACTOR
+                               * self.cluster.step_timeout_seconds)
+                 for w in self.workers],
+                timeout=timeout, should_stop=self.should_stop,
+            )
+        except CallTimeout as exc:
+            raise RingFailure(Failure(kind=FailureKind.STARTUP, detail=str(exc))) from None
+
+    def _create_workers(self, plan: PlacementPlan) -> None:
+        self.plan_ = plan
+        # From the moment their placement group is asked for, the planned nodes are watched.
+        self.watch.track([], tuple(rank.node_id for rank in plan.ranks))
+        bundles = [self.job.worker_resources for _ in plan.ranks]
+        selectors = [{NODE_ID_LABEL: rank.node_id} for rank in plan.ranks]
+        self.pg = placement_group(bundles, strategy="PACK", bundle_label_selector=selectors,
+                                  name=f"ringray-{self.job.name}")
+        self.watch.wait([self.pg.ready()], timeout=self.cluster.startup_timeout_seconds,
+                        what="the placement group to be reserved", should_stop=self.should_stop)
+        actor = ray.remote(TrainWorker)
+        resources = self.job.actor_resources()
+        self.workers = [
+            actor.options(
+                max_concurrency=2,  # health() answers while a step runs
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self.pg, placement_group_bundle_index=rank.rank,
+                ),
+                **resources,
+            ).remote(rank=rank.rank, world_size=plan.world_size)
+            for rank in plan.ranks
+        ]
+        self.watch.track(self.workers, self.watch.nodes)
+
+    def run_plan(self, *, lineage: str | None) -> RunPlan:
+        options = self.job.train
+        return self._startup_call([self.workers[0].run_plan.remote(
+            location=options.checkpoint_location, lineage=lineage,
+            resume=options.checkpoint.resume, move_aside=options.checkpoint.move_aside)])[0]
+
+    def build(self, options: TrainOptions, run: RunPlan) -> Built:
+        return self._startup_call([w.build.remote(options, run) for w in self.workers])[0]
+
+    def _startup_call(self, refs: list) -> list:
+        try:
+            return self.watch.wait(refs, timeout=self.cluster.startup_timeout_seconds,
+                                   should_stop=self.should_stop)
+        except CallTimeout as exc:
+            raise RingFailure(Failure(kind=FailureKind.STARTUP, detail=str(exc))) from None
+
+    # ----------------------------------------------------------------- training
+    def step(self, *, move_now: Callable[[Drain], str | None]) -> StepStats:
+        try:
+            results = self.watch.wait([w.run_steps.remote(1) for w in self.workers],
+                                      timeout=self.cluster.step_timeout_seconds,
+                                      what="a step", move_now=move_now)
+        except CallTimeout as exc:
+            raise RingFailure(Failure(kind=FailureKind.HANG, detail=(
+                f"{exc}; {self.watch.describe_silence()}"))) from None
+        return results[0][-1]
+
+    def checkpoint(self) -> tuple[CheckpointRef, tuple[str, ...]]:
+        try:
+            return self.watch.wait([w.checkpoint.remote() for w in self.workers],
+                                   timeout=self.cluster.step_timeout_seconds,
+                                   what="a checkpoint")[0]
+        except CallTimeout as exc:
+            raise RingFailure(Failure(kind=FailureKind.HANG, detail=(
+                f"{exc}; {self.watch.describe_silence()}"))) from None
+
+    def evaluate(self) -> PasskeyReport | None:
+        passkey = self.job.train.eval
+        cells = (len(passkey.passkey_lengths) * len(passkey.passkey_depths)
+                 * passkey.passkey_samples)
+        timeout = self.cluster.step_timeout_seconds * max(
+            1, math.ceil(cells / _EVAL_CELLS_PER_TIMEOUT))
+        try:
+            return self.watch.wait([w.evaluate_passkey.remote() for w in self.workers],
+                                   timeout=timeout, what="the passkey evaluation",
+                                   should_stop=self.should_stop)[0]
+        except CallTimeout as exc:
+            raise RingFailure(Failure(kind=FailureKind.HANG, detail=str(exc))) from None
+
+    def poll(self) -> None:
+        """Between steps: dead nodes raise; a drain is noted for :meth:`take_drain` (the
+        decision to move now or checkpoint first is the machine's)."""
+        self.watch.check_nodes()
+        self.watch.check_drains(lambda drain: None)
+
+    def take_drain(self) -> Drain | None:
+        drain, self.watch.drain = self.watch.drain, None
+        return drain
+
+    # ----------------------------------------------------------------- teardown
+    def teardown(self) -> None:
+        """Kill every worker and release the placement group; a worker that cannot be killed
+        is recorded by rank, actor and node, with the error."""
+        nodes = self.watch.nodes
+        for rank, worker in enumerate(self.workers):
+            try:
+                ray.kill(worker, no_restart=True)
+            except Exception as exc:
+                node = nodes[rank][:8] if rank < len(nodes) else "unknown"
+                self.record.event(f"rank {rank} (actor {worker._actor_id.hex()[:12]}, node "
+                                  f"{node}) could not be killed: {exc}", exc=exc)
+        if self.pg is not None:
+            try:
+                remove_placement_group(self.pg)
+            except Exception as exc:
+                self.record.event(f"the placement group ringray-{self.job.name} could not be "
+                                  f"removed: {exc}", exc=exc)
+        self.watch.forget()
+        self.workers, self.pg = [], None
+
+
+def request_resources(bundles: list[dict]) -> None:
+    """Ask Ray's autoscaler for ``bundles`` (an empty list withdraws the request)."""
+    from ray.autoscaler.sdk import request_resources as ask
+
+    ask(bundles=bundles)

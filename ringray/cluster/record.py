@@ -1,0 +1,187 @@
+"""What a job records: the one place its side effects go through (no Ray here).
+
+    record = JobRecord(job, run_dir, metrics=JobMetrics(job.name))
+    record.event("placed ...")               # events.jsonl, the status's recent events
+    record.event("teardown failed", exc=e)   # ... with the traceback, never swallowed
+    record.step(stats)                       # steps.jsonl, metrics, the first step of a recovery
+    status = record.status()                 # a JobStatus snapshot, any time, from any thread
+
+The machine (:mod:`ringray.cluster.machine`) and the Ray ring report here; nothing else writes
+the run directory's logs or the job's Prometheus series.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+from ringray.cluster.job_options import JobOptions
+from ringray.cluster.placement import PlacementPlan
+from ringray.cluster.policy import Failure
+from ringray.cluster.status import Event, JobState, JobStatus, Restart, WorkerHealth
+from ringray.data import PasskeyReport
+from ringray.metrics.exporter import JobMetrics
+from ringray.train import CheckpointRef, StepStats
+from ringray.train.loop import StepsLog, move_logs_aside
+
+EVENTS_KEPT = 100
+
+
+class JobRecord:
+    """The job's logs, metrics and status, safe to read from other threads."""
+
+    def __init__(self, job: JobOptions, run_dir: Path, *, metrics: JobMetrics | None) -> None:
+        self.job = job
+        self.run_dir = run_dir
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.steps_log = StepsLog(run_dir / "steps.jsonl")
+        self.metrics = metrics
+        self.metrics_url: str | None = None
+        self._lock = threading.Lock()
+        self._state = JobState.PLACING
+        self._step = 0
+        self._last_stats: StepStats | None = None
+        self._plan: PlacementPlan | None = None
+        self._workers: tuple[WorkerHealth, ...] = ()
+        self._restarts: list[Restart] = []
+        self._awaiting_first_step: int | None = None  # index of a restart not yet recovered
+        self._failures_used = 0
+        self._resizes = 0
+        self._last_checkpoint_step: int | None = None
+        self._error: str | None = None
+        self._events: list[Event] = []
+        if metrics is not None:
+            metrics.target(job.dp_max * job.cp)
+            metrics.state(self._state.value)
+
+    # ----------------------------------------------------------------- events and state
+    def event(self, message: str, *, exc: BaseException | None = None) -> None:
+        """One line for the status and ``events.jsonl``; with ``exc``, its traceback too."""
+        stamp = time.time()
+        with self._lock:
+            state = self._state.value
+            self._events.append(Event(time=stamp, state=state, message=message))
+            del self._events[:-EVENTS_KEPT]
+        entry = {"time": stamp, "state": state, "message": message}
+        if exc is not None:
+            entry["traceback"] = "".join(traceback.format_exception(exc))
+        with (self.run_dir / "events.jsonl").open("a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+    def state(self, state: JobState, *, error: str | None = None) -> None:
+        with self._lock:
+            changed = state is not self._state
+            self._state = state
+            if error is not None:
+                self._error = error
+        if self.metrics is not None:
+            self.metrics.state(state.value)
+        if changed:
+            self.event(f"state: {state.value}")
+
+    # ----------------------------------------------------------------- placement and starts
+    def placed(self, plan: PlacementPlan) -> None:
+        with self._lock:
+            self._plan = plan
+            self._workers = ()  # the new workers are probed once they are up
+        self.event(plan.describe())
+
+    def workers(self, healths: tuple[WorkerHealth, ...]) -> None:
+        with self._lock:
+            self._workers = healths
+        if self.metrics is not None and self._plan is not None:
+            self.metrics.placed(dp=self._plan.dp, cp=self._plan.cp,
+                                nodes=[h.node_id for h in healths])
+
+    def moved_aside(self, location: str) -> None:
+        """An earlier run's checkpoints were moved aside: its logs go with them."""
+        self.event(f"moved the earlier run's checkpoints aside to {location}")
+        for moved in move_logs_aside(self.run_dir, location.rsplit(".", 1)[-1]):
+            self.event(f"moved the earlier run's log aside to {moved}")
+
+    def started(self, plan: PlacementPlan, *, step: int, restored: CheckpointRef | None) -> None:
+        """The trainers are built at ``step`` (restored from ``restored``)."""
+        self.steps_log.truncate(step)  # the log describes the training behind the weights
+        with self._lock:
+            self._step = step
+            if restored is not None:
+                self._last_checkpoint_step = restored.step
+            if self._awaiting_first_step is not None:
+                index = self._awaiting_first_step
+                restart = self._restarts[index]
+                self._restarts[index] = replace(
+                    restart, resumed_from_step=step, lost_steps=restart.failed_at_step - step,
+                    world_size_after=plan.world_size)
+        self.event(f"started {plan.world_size} workers (dp={plan.dp} × cp={plan.cp}) at step "
+                   f"{step}" + (f", restored {restored.location}" if restored else ""))
+
+    # ----------------------------------------------------------------- training
+    def step(self, stats: StepStats) -> None:
+        self.steps_log.append(stats)
+        if self.metrics is not None:
+            self.metrics.step(stats)
+        recovered = None
+        with self._lock:
+            self._step, self._last_stats = stats.step, stats
+            if self._awaiting_first_step is not None:  # the first step since a recovery
+                index, self._awaiting_first_step = self._awaiting_first_step, None
+                recovered = self._restarts[index] = replace(
+                    self._restarts[index],
+                    recovery_seconds=time.time() - self._restarts[index].detected_at)
+        if recovered is not None:
+            if self.metrics is not None:
+                self.metrics.recovered(recovered.recovery_seconds)
+            self.event(f"recovered from {recovered.reason} in "
+                       f"{recovered.recovery_seconds:.1f} s (to the first step done); "
+                       f"{recovered.lost_steps} step(s) redone")
+
+    def checkpointed(self, ref: CheckpointRef, *, seconds: float) -> None:
+        with self._lock:
+            self._last_checkpoint_step = ref.step
+        if self.metrics is not None:
+            self.metrics.checkpoint(seconds=seconds, step=ref.step)
+        self.event(f"checkpoint {ref.location} ({seconds:.1f} s)")
+
+    def passkey(self, report: PasskeyReport) -> None:
+        (self.run_dir / "passkey.json").write_text(json.dumps(report.to_dict(), indent=2))
+        self.event("passkey: " + " ".join(report.format_table().splitlines()[-1:]))
+
+    # ----------------------------------------------------------------- faults
+    def restart(self, failure: Failure, *, failed_at_step: int, world_size: int,
+                failures_used: int) -> None:
+        if self.metrics is not None:
+            self.metrics.restart(failure.kind.value)
+        with self._lock:
+            self._failures_used = failures_used
+            self._restarts.append(Restart(
+                reason=failure.kind.value, detail=failure.detail, detected_at=time.time(),
+                failed_at_step=failed_at_step, world_size_before=world_size))
+            self._awaiting_first_step = len(self._restarts) - 1
+
+    def resized(self) -> None:
+        if self.metrics is not None:
+            self.metrics.resized()
+        with self._lock:
+            self._resizes += 1
+
+    def torn_down(self) -> None:
+        if self.metrics is not None:
+            self.metrics.stopped()
+
+    # ----------------------------------------------------------------- the status
+    def status(self) -> JobStatus:
+        with self._lock:
+            plan = self._plan
+            return JobStatus(
+                job_name=self.job.name, state=self._state.value, step=self._step,
+                total_steps=self.job.train.train.steps, dp=plan.dp if plan else 0,
+                target_dp=self.job.dp_max, cp=self.job.cp, restarts=tuple(self._restarts),
+                failures_used=self._failures_used, resizes=self._resizes,
+                last_stats=self._last_stats, last_checkpoint_step=self._last_checkpoint_step,
+                workers=self._workers, plan=plan, error=self._error,
+                events=tuple(self._events), metrics_url=self.metrics_url,
+            )
