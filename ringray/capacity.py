@@ -47,6 +47,7 @@ from ringray.accelerators import (  # noqa: F401 - ACCELERATORS and parse_cluste
 )
 from ringray.attention.layouts import seq_len_divisor
 from ringray.model import ModelConfig
+from ringray.model.rope import describe_rope
 from ringray.train import TrainOptions
 
 MEMORY_RESERVE_RATIO = 0.10
@@ -391,6 +392,7 @@ class PlanReport:
             f"mesh: dp {i.dp} x cp {i.cp} ({i.layout}) = {self.devices_needed} devices; seq "
             f"{i.seq_len}; per device {i.local_batch} sequence(s) x {i.block_tokens} tokens",
             f"precision: {precision}; activation checkpointing {checkpointing}",
+            f"rope: {describe_rope(cfg.rope_theta, cfg.rope_scaling, cfg.head_dim)}",
             "",
             *self._memory_lines(),
             "",

@@ -11,7 +11,8 @@
 - :mod:`~ringray.cli.common`: the stderr console, one-line errors, the spec loader.
 - :mod:`~ringray.cli.train`: ``train`` (and its live progress view).
 - :mod:`~ringray.cli.jobs`: ``submit``, ``list``, ``status``, ``logs``, ``stop``, ``resume``.
-- :mod:`~ringray.cli.plan`, :mod:`~ringray.cli.report`: ``plan``, ``report``.
+- :mod:`~ringray.cli.plan`, :mod:`~ringray.cli.report`, :mod:`~ringray.cli.export`: ``plan``,
+  ``report``, ``export``.
 - :mod:`~ringray.cli.bench`, :mod:`~ringray.cli.dashboards`: the ``bench`` and ``dashboards``
   groups.
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import typer
 
-from ringray.cli import bench, dashboards, jobs, plan, report, train
+from ringray.cli import bench, dashboards, export, jobs, plan, report, train
 
 app = typer.Typer(
     help="ringray: exact ring attention and long-context training on Ray.",
@@ -40,6 +41,7 @@ app.command("status")(jobs.status)
 app.command("logs")(jobs.logs)
 app.command("stop")(jobs.stop)
 app.command("resume")(jobs.resume)
+app.command("export")(export.export)
 app.add_typer(bench.app, name="bench")
 app.add_typer(dashboards.app, name="dashboards")
 

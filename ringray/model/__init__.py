@@ -14,6 +14,7 @@ from ringray.model.config import (
 )
 from ringray.model.hf import (
     ARCHITECTURES,
+    check_hf_weights,
     config_from_hf,
     config_to_hf,
     hf_parameter_names,
@@ -36,6 +37,7 @@ from ringray.model.safetensors_io import SafetensorsCheckpoint, write_safetensor
 
 __all__ = [
     "ARCHITECTURES",
+    "check_hf_weights",
     "MODEL_PRESETS",
     "ROPE_SCALING_KINDS",
     "ModelConfig",

@@ -286,15 +286,15 @@ def _ignorable(name: str, model: Transformer) -> bool:
     return name == "lm_head.weight" and model.config.tie_embeddings
 
 
-@torch.no_grad()
-def load_hf_weights(model: Transformer, checkpoint: SafetensorsCheckpoint | str) -> None:
-    """Copy every parameter of ``model`` from an HF checkpoint (cast to the parameter's
-    dtype), reading one tensor at a time.
-
-    Raises:
-        ValueError: one line naming the tensor, for a tensor missing from the checkpoint, a
-            shape that differs from the model's, or a tensor the model has no place for.
+def check_hf_weights(model: Transformer | ModelConfig,
+                     checkpoint: SafetensorsCheckpoint | str) -> None:
+    """Raise ``ValueError`` (one line naming the tensor) unless the checkpoint holds exactly
+    the tensors ``model`` (or a model of this config) needs, with its shapes: read from the
+    safetensors headers only, so it is cheap enough to run before a job starts.
     """
+    if isinstance(model, ModelConfig):
+        with torch.device("meta"):
+            model = Transformer(model)
     if isinstance(checkpoint, str):
         checkpoint = SafetensorsCheckpoint(checkpoint)
     names = hf_parameter_names(model)
@@ -313,7 +313,22 @@ def load_hf_weights(model: Transformer, checkpoint: SafetensorsCheckpoint | str)
         if found != expected:
             raise ValueError(f"{hf_name}: shape {list(found)} in the checkpoint, expected "
                              f"{list(expected)} from its config.json")
-    by_hf_name = {hf_name: params[name] for name, hf_name in names.items()}
+
+
+@torch.no_grad()
+def load_hf_weights(model: Transformer, checkpoint: SafetensorsCheckpoint | str) -> None:
+    """Copy every parameter of ``model`` from an HF checkpoint (cast to the parameter's
+    dtype), reading one tensor at a time, after :func:`check_hf_weights`.
+
+    Raises:
+        ValueError: one line naming the tensor, for a tensor missing from the checkpoint, a
+            shape that differs from the model's, or a tensor the model has no place for.
+    """
+    if isinstance(checkpoint, str):
+        checkpoint = SafetensorsCheckpoint(checkpoint)
+    check_hf_weights(model, checkpoint)
+    params = dict(model.named_parameters())
+    by_hf_name = {hf_name: params[name] for name, hf_name in hf_parameter_names(model).items()}
     for hf_name, tensor in checkpoint.tensors(by_hf_name):
         by_hf_name[hf_name].copy_(tensor)
 

@@ -148,6 +148,28 @@ def rope_attention_factor(scaling: RopeScaling) -> float:
     return mscale(scaling.factor)
 
 
+def describe_rope(theta: float, scaling: RopeScaling, head_dim: int) -> str:
+    """One line saying what the RoPE settings do (``ringray plan`` prints it)."""
+    longest = 2 * math.pi / float(rope_inv_freq(head_dim, theta, scaling).min())
+    base = f"base {theta:g}"
+    s, n = scaling, scaling.original_max_position_embeddings
+    if s.kind == "linear":
+        what = (f"linear x{s.factor:g}: every frequency divided by {s.factor:g}, positions "
+                f"compressed {s.factor:g}-fold")
+    elif s.kind == "llama3":
+        what = (f"llama3 x{s.factor:g} from {n} tokens: wavelengths longer than "
+                f"{n / s.low_freq_factor:g} tokens stretched {s.factor:g}-fold, shorter than "
+                f"{n / s.high_freq_factor:g} kept, a smooth ramp between")
+    elif s.kind == "yarn":
+        what = (f"yarn x{s.factor:g} from {n} tokens: dimensions turning fewer than "
+                f"{s.beta_slow:g} times over {n} tokens interpolated, more than "
+                f"{s.beta_fast:g} kept, a ramp between; attention scaled by "
+                f"{rope_attention_factor(s):.3f}")
+    else:
+        what = "no scaling: positions past the pretraining length are extrapolated"
+    return f"{base}, {what}; longest wavelength {longest:,.0f} tokens"
+
+
 def rotary_tables(
     positions: torch.Tensor,
     head_dim: int,

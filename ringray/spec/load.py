@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from ringray.spec.errors import describe_yaml_error, format_validation_error, load_yaml
 from ringray.spec.schema import JobSpec, JobSpecError
+from ringray.train import TrainOptions
 
 
 def _set_dotted(data: dict, dotted: str, value: object) -> None:
@@ -89,10 +90,36 @@ def check_local_paths(spec: JobSpec) -> None:
             raise JobSpecError(f"data.path: {spec.data.path!r} is a file; give the directory "
                                f"that holds the .txt/.jsonl files")
     options = spec.train_options()
+    if options.pretrained is not None:
+        check_pretrained(options)
     _check_output_dir("run_dir", options.run_dir)
     if "://" not in options.checkpoint_location:
         field = "checkpoint.path" if spec.checkpoint.path else "run_dir"
         _check_output_dir(field, options.checkpoint_location)
+
+
+def check_pretrained(options: TrainOptions) -> None:
+    """Raise :class:`JobSpecError` (one line) unless ``model.from_pretrained`` holds every
+    tensor the model needs, with its shape (safetensors headers only, no weights read), and a
+    tokenizer with an end-of-sequence token that fits the model's vocabulary and the job's
+    passkey lengths. Run before anything starts, so a bad checkpoint starts no training."""
+    from ringray.data import HFTokenizer
+    from ringray.model import check_hf_weights
+    from ringray.train.options import check_token_budget
+
+    where = f"model.from_pretrained: {options.pretrained}"
+    try:
+        check_hf_weights(options.model, options.pretrained)
+        tokenizer = HFTokenizer.from_pretrained(options.pretrained)
+    except (OSError, ValueError) as exc:
+        raise JobSpecError(f"{where}: {exc}") from None
+    if tokenizer.vocab_size > options.model.vocab_size:
+        raise JobSpecError(f"{where}: its tokenizer has {tokenizer.vocab_size} tokens, more "
+                           f"than the model's vocab_size {options.model.vocab_size}")
+    try:
+        check_token_budget(options, tokenizer)
+    except ValueError as exc:
+        raise JobSpecError(f"{exc} (in this model's tokenizer)") from None
 
 
 def load_job_spec(

@@ -142,6 +142,7 @@ class JobSpec(Section):
             checkpoint=self._section("checkpoint"),
             eval=self._section("eval"),
             run_dir=self.run_dir or f"runs/{self.name}",
+            pretrained=model.from_pretrained,
         )
 
     def job_options(self) -> JobOptions:

@@ -27,7 +27,13 @@ from annotated_types import Ge, Gt, Le, Lt, MinLen
 
 from ringray.attention.backends import BACKENDS
 from ringray.attention.layouts import BUILTIN_LAYOUTS, seq_len_divisor
-from ringray.data import PASSKEY_DIGITS, ByteTokenizer, DataOptions, passkey_min_seq_len
+from ringray.data import (
+    PASSKEY_DIGITS,
+    ByteTokenizer,
+    DataOptions,
+    Tokenizer,
+    passkey_min_seq_len,
+)
 from ringray.model import ModelConfig
 
 MAX_SEQ_LEN = 1 << 24
@@ -160,11 +166,6 @@ class EvalOptions:
             if repeats:
                 raise ValueError(f"{name}: {list(values)} repeats {repeats}; give each value "
                                  f"once")
-        minimum = passkey_min_seq_len(ByteTokenizer(), PASSKEY_DIGITS)
-        short = [n for n in self.passkey_lengths if n < minimum]
-        if short:
-            raise ValueError(f"passkey_lengths: {short} cannot hold the needle and the "
-                             f"question; use lengths of at least {minimum}")
         if self.passkey_lengths and not self.passkey_depths:
             raise ValueError("passkey_depths: [] gives no cells to evaluate; e.g. "
                              "[0.1, 0.5, 0.9]")
@@ -181,6 +182,7 @@ class TrainOptions:
     checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
     eval: EvalOptions = field(default_factory=EvalOptions)
     run_dir: str = "runs/ringray"
+    pretrained: str | None = None  # model.from_pretrained: its weights and its tokenizer
 
     def __post_init__(self) -> None:
         train, parallel = self.train, self.parallel
@@ -200,12 +202,8 @@ class TrainOptions:
                         f"{name}: {length} cannot be split by layout {parallel.layout!r} over "
                         f"cp={parallel.cp} ranks; use a multiple of {divisor}"
                     )
-        minimum = passkey_min_seq_len(ByteTokenizer(), PASSKEY_DIGITS) + 1
-        if self.data.source == "passkey" and train.seq_len < minimum:
-            raise ValueError(
-                f"train.seq_len: {train.seq_len} is too short for passkey training samples; "
-                f"use at least {minimum} with data.source 'passkey'"
-            )
+        if self.pretrained is None:  # a pretrained model's tokenizer is checked by the Trainer
+            check_token_budget(self, ByteTokenizer())
 
     @property
     def checkpoint_location(self) -> str:
@@ -217,3 +215,18 @@ class TrainOptions:
         """``train.peak_tflops_per_device`` in FLOP/s (``None``: measure or look it up)."""
         peak = self.train.peak_tflops_per_device
         return peak * 1e12 if peak is not None else None
+
+
+def check_token_budget(options: TrainOptions, tokenizer: Tokenizer) -> None:
+    """Raise ``ValueError`` naming the field unless every passkey length (and, with passkey
+    training data, the sequence length) holds a passkey prompt in ``tokenizer``'s tokens."""
+    minimum = passkey_min_seq_len(tokenizer, PASSKEY_DIGITS)
+    short = [n for n in options.eval.passkey_lengths if n < minimum]
+    if short:
+        raise ValueError(f"eval.passkey_lengths: {short} cannot hold the needle and the "
+                         f"question; use lengths of at least {minimum}")
+    if options.data.source == "passkey" and options.train.seq_len < minimum + 1:
+        raise ValueError(
+            f"train.seq_len: {options.train.seq_len} is too short for passkey training "
+            f"samples; use at least {minimum + 1} with data.source 'passkey'"
+        )

@@ -29,11 +29,11 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from ringray.accelerators import peak_flops_of
 from ringray.attention import Layout, RingStats, make_layout
 from ringray.attention.comm import RingComm, ring_transfer_seconds
-from ringray.data import ByteTokenizer, PackedLoader, make_source
-from ringray.model import RingContext, Transformer
+from ringray.data import ByteTokenizer, HFTokenizer, PackedLoader, Tokenizer, make_source
+from ringray.model import RingContext, Transformer, load_hf_weights
 from ringray.train.checkpoint import CheckpointError, CheckpointRef, CheckpointStore
 from ringray.train.mesh import Mesh, build_mesh, resolve_mesh_shape
-from ringray.train.options import TrainOptions
+from ringray.train.options import TrainOptions, check_token_budget
 from ringray.train.schedule import learning_rate
 from ringray.train.step_stats import REPORT_FIELDS, StepStats, summarize_step
 
@@ -92,12 +92,15 @@ class Trainer:
             layout=self.layout, rank=self.mesh.cp_rank, group=self.mesh.cp_group,
             backend=options.parallel.attention_backend, stats=self.ring_stats,
         )
-        self.tokenizer = ByteTokenizer()
+        self.tokenizer: Tokenizer = (HFTokenizer.from_pretrained(options.pretrained)
+                                     if options.pretrained else ByteTokenizer())
         if options.model.vocab_size < self.tokenizer.vocab_size:
             raise ValueError(
                 f"model.vocab_size: {options.model.vocab_size} is smaller than the tokenizer's "
                 f"{self.tokenizer.vocab_size}"
             )
+        if options.pretrained:
+            check_token_budget(options, self.tokenizer)
         self.loader = PackedLoader(
             make_source(
                 options.data.source, options.data.path, seq_len=options.train.seq_len,
@@ -109,9 +112,7 @@ class Trainer:
         )
         # The same seed on every rank: the replicas start from identical weights.
         torch.manual_seed(options.train.seed)
-        self.model = Transformer(
-            options.model, activation_checkpointing=options.train.activation_checkpointing
-        ).to(self.device)
+        self.model = self._make_model()
         self.optimizer = self._make_optimizer()
         self.autocast_dtype = self._autocast_dtype(options.train.precision)
         self.step_count = 0
@@ -133,6 +134,23 @@ class Trainer:
             return make_layout(options.parallel.layout, cp, train.seq_len)
         except ValueError as exc:
             raise ValueError(f"train.seq_len: {str(exc).removeprefix('layout: ')}") from None
+
+    def _make_model(self) -> Transformer:
+        """The model on this device: freshly initialised, or with a pretrained checkpoint's
+        weights (built on the meta device and filled tensor by tensor, so its weights are
+        materialised once). A resumed run's checkpoint then overwrites them."""
+        options = self.options
+        checkpointing = options.train.activation_checkpointing
+        if options.pretrained is None:
+            return Transformer(options.model,
+                               activation_checkpointing=checkpointing).to(self.device)
+        with torch.device("meta"):
+            model = Transformer(options.model, activation_checkpointing=checkpointing)
+        model.to_empty(device=self.device)
+        model.tie_weights()  # to_empty gives a tied pair separate tensors
+        load_hf_weights(model, options.pretrained)
+        model.pretrained_source = options.pretrained
+        return model
 
     def _make_optimizer(self) -> torch.optim.AdamW:
         opt = self.options.train.optimizer

@@ -1,0 +1,72 @@
+"""A ringray checkpoint as a Hugging Face checkpoint directory (``ringray export``).
+
+    ref = export_hf(options, "out/", step=None)      # the run's newest committed checkpoint
+    transformers.AutoModelForCausalLM.from_pretrained("out/")
+
+The weights are read from the DCP checkpoint into a model in this one process, whatever the
+degrees that wrote it (replicated, or sharded by FSDP: DCP reshards on load), and written with
+:func:`ringray.model.save_pretrained`: config.json, safetensors, and, for a model that started
+from a pretrained checkpoint, that checkpoint's tokenizer and the config keys ringray does
+not model. ``max_position_embeddings`` is set to the length the run trained at (or the
+source's, if longer).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ringray.model import Transformer, read_model_config, save_pretrained
+from ringray.train.checkpoint import CheckpointError, CheckpointRef, CheckpointStore
+from ringray.train.options import TrainOptions
+
+
+def choose_checkpoint(store: CheckpointStore, step: int | None) -> CheckpointRef:
+    """The newest committed checkpoint of the newest lineage, or its one at ``step``.
+
+    Raises:
+        CheckpointError: there is none, or none at ``step`` (naming the steps there are).
+    """
+    lineage = store.newest_lineage()
+    refs = store.of_lineage(lineage) if lineage else []
+    if not refs:
+        raise CheckpointError(f"{store.location}: no committed checkpoint to export")
+    if step is None:
+        return refs[0]
+    for ref in refs:
+        if ref.step == step:
+            return ref
+    steps = sorted(r.step for r in refs)
+    raise CheckpointError(f"--step: {step} is not a committed checkpoint of the run at "
+                          f"{store.location}; its steps: {steps}")
+
+
+@torch.no_grad()
+def export_hf(options: TrainOptions, out_dir: str, *, step: int | None = None,
+              dtype: torch.dtype | None = None) -> CheckpointRef:
+    """Write the run's checkpoint (newest, or at ``step``) as an HF checkpoint in
+    ``out_dir``; returns the checkpoint exported. ``dtype`` casts the weights (default: as
+    trained, float32)."""
+    store = CheckpointStore(options.checkpoint_location)
+    ref = choose_checkpoint(store, step)
+    store.verify(ref)
+    with torch.device("meta"):
+        model = Transformer(options.model)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    store.load(ref, {"model": model.state_dict()})  # fills the model's tensors in place
+    positions = options.train.seq_len
+    if options.pretrained is not None:
+        source_positions = read_model_config_positions(options.pretrained)
+        positions = max(positions, source_positions or 0)
+    save_pretrained(model, out_dir, source=options.pretrained, dtype=dtype,
+                    config_overrides={"max_position_embeddings": positions})
+    return ref
+
+
+def read_model_config_positions(path: str) -> int | None:
+    """The ``max_position_embeddings`` of the checkpoint at ``path`` (None if absent)."""
+    from ringray.model.safetensors_io import join, read_json
+
+    read_model_config(path)  # the checkpoint is one ringray reads (raises otherwise)
+    value = read_json(join(path, "config.json")).get("max_position_embeddings")
+    return int(value) if isinstance(value, int) else None
