@@ -116,3 +116,56 @@ def test_harness_reports_a_hang_instead_of_waiting():
     """The multi-process harness itself is bounded: a stuck rank is a failure, not a hang."""
     with pytest.raises(RanksFailed, match=r"ranks \[0\] did not finish within 8s"):
         run_gloo_ranks(2, hangs_forever, timeout_seconds=8)
+
+
+def test_bad_documents_name_the_argument():
+    q, k, v = qkv(seq=8)
+    with pytest.raises(ValueError, match=r"documents: length 1 is 0; every document length "
+                                         r"must be a positive integer"):
+        ring_attention(q, k, v, documents=[4, 0, 4])
+    with pytest.raises(ValueError, match=r"documents: the 2 lengths sum to 9 but the global "
+                                         r"sequence has 8 tokens"):
+        ring_attention(q, k, v, documents=[4, 5])
+
+
+def ranks_pass_documents(rank: int, world: int, lengths_by_rank: list) -> str:
+    """Each rank passes its own document lengths (a good call needs them all equal)."""
+    torch.manual_seed(0)
+    layout = make_layout("zigzag", world, 8 * world)
+    q, k, v = (layout.shard(t, rank) for t in qkv(seq=8 * world))
+    try:
+        ring_attention(q, k, v, layout=layout, documents=lengths_by_rank[rank])
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    "lengths_by_rank, own_error",
+    [
+        # rank 1's lengths sum to 23 for a 24-token sequence
+        ([[8, 16], [8, 15], [8, 16]], "documents: the 2 lengths sum to 23 but the global "
+                                      "sequence has 24 tokens"),
+        # rank 2 gives a length of 0
+        ([[8, 16], [8, 16], [8, 0, 16]], "documents: length 1 is 0"),
+    ],
+)
+def test_bad_documents_on_one_rank_fail_on_every_rank(lengths_by_rank, own_error):
+    """The rank with bad lengths raises its own error (naming documents); the others say
+    which rank rejected which argument. Nobody hangs and no block is sent."""
+    messages = run_gloo_ranks(3, ranks_pass_documents, lengths_by_rank, timeout_seconds=90)
+    bad = next(r for r, lengths in enumerate(lengths_by_rank) if lengths != [8, 16])
+    assert own_error in messages[bad]
+    for rank in set(range(3)) - {bad}:
+        assert (f"rank {bad} of the ring rejected its inputs (documents)" in messages[rank]
+                and "no block was sent" in messages[rank]), messages[rank]
+
+
+@pytest.mark.parametrize("lengths_by_rank", [
+    [[8, 16], [16, 8], [8, 16]],  # valid everywhere, but different
+    [[8, 16], None, [8, 16]],  # one rank forgot them
+])
+def test_ranks_that_disagree_on_documents_all_raise(lengths_by_rank):
+    messages = run_gloo_ranks(3, ranks_pass_documents, lengths_by_rank, timeout_seconds=90)
+    assert all("ranks disagree on documents; every rank of the ring must pass the same" in m
+               for m in messages), messages

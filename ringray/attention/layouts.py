@@ -13,8 +13,13 @@ causal work.
 
 Built in: ``contiguous`` (rank r holds one slice), ``zigzag`` (2N chunks, rank r holds
 chunks r and 2N-1-r, as in ring-flash-attn, Megatron and TransformerEngine), ``striped``
-(token t on rank t mod N, as in the Striped Attention paper), and any explicit permutation
-given as one position list per rank.
+(token t on rank t mod N, as in the Striped Attention paper), ``balanced`` (for packed
+documents: equal tokens and near-equal work under the document mask for any document
+lengths, see :mod:`.balance`), and any explicit permutation given as one position list per
+rank. Every layout is exact with documents; ``balanced`` is the one that also balances them:
+
+    >>> lay = make_layout("balanced", 4, 16384, documents=[5218, 227, 97, ...])
+    >>> document_work(lay, [5218, 227, 97, ...])   # visible query-key pairs per rank
 """
 
 from __future__ import annotations
@@ -26,7 +31,14 @@ from functools import cached_property, lru_cache
 
 import torch
 
+from ringray.attention.balance import balanced_ranges
+from ringray.attention.documents import Documents, check_documents
+
+# The layouts a job spec may name (each works for any document lengths).
 BUILTIN_LAYOUTS = ("contiguous", "zigzag", "striped")
+# Every named layout: the built-in ones and ``balanced``, which is built for the documents of
+# one sequence (it needs their lengths; without them it balances one causal span).
+LAYOUT_KINDS = (*BUILTIN_LAYOUTS, "balanced")
 
 
 @dataclass(frozen=True)
@@ -87,7 +99,7 @@ class Layout:
     def divisor(self) -> int:
         """What a sequence length must be a multiple of for this kind of layout over this
         many ranks (a custom permutation fits exactly its own length)."""
-        if self.kind in BUILTIN_LAYOUTS:
+        if self.kind in LAYOUT_KINDS:
             return seq_len_divisor(self.kind, self.world_size)
         return self.seq_len
 
@@ -149,21 +161,26 @@ def seq_len_divisor(kind: str, world_size: int) -> int:
     """What the global sequence length of a built-in layout must be a multiple of."""
     if kind == "zigzag":
         return 2 * world_size
-    if kind in ("contiguous", "striped"):
+    if kind in ("contiguous", "striped", "balanced"):
         return world_size
-    raise ValueError(f"layout: unknown kind {kind!r}; valid: {', '.join(BUILTIN_LAYOUTS)}")
+    raise ValueError(f"layout: unknown kind {kind!r}; valid: {', '.join(LAYOUT_KINDS)}")
 
 
 def make_layout(
     kind_or_positions: str | Layout | Sequence[Sequence[int]],
     world_size: int,
     seq_len: int,
+    *,
+    documents: Documents | Sequence[int] | None = None,
 ) -> Layout:
     """Build (or check) the layout of ``seq_len`` tokens over ``world_size`` ranks.
 
     ``kind_or_positions`` is a built-in name, an existing :class:`Layout` (checked against
     ``world_size`` and ``seq_len``), or one list of global positions per rank, which must
     together be a permutation of ``range(seq_len)`` with equal lengths.
+
+    ``documents`` (the global sequence's document lengths, summing to ``seq_len``) shapes the
+    ``balanced`` layout only; every other layout is the same with or without them.
     """
     if world_size < 1:
         raise ValueError(f"layout: world_size must be >= 1, got {world_size}")
@@ -176,20 +193,43 @@ def make_layout(
             )
         return lay
     if isinstance(kind_or_positions, str):
+        if kind_or_positions == "balanced":
+            _check_divisible("balanced", world_size, seq_len)
+            docs = check_documents(documents, seq_len) or Documents((seq_len,))
+            return _balanced(world_size, seq_len, docs)
         return _builtin(kind_or_positions, world_size, seq_len)
     return _custom(kind_or_positions, world_size, seq_len)
 
 
-# Memoised so that repeated calls with a layout name share one Layout, and with it the
-# ring's cached step plans; layouts are immutable, so sharing is safe.
-@lru_cache(maxsize=16)
-def _builtin(kind: str, world_size: int, seq_len: int) -> Layout:
+def _check_divisible(kind: str, world_size: int, seq_len: int) -> None:
     divisor = seq_len_divisor(kind, world_size)
     if seq_len <= 0 or seq_len % divisor:
         raise ValueError(
             f"layout: seq_len={seq_len} cannot be split by layout {kind!r} over "
             f"{world_size} ranks; it must be a positive multiple of {divisor}"
         )
+
+
+@lru_cache(maxsize=16)  # documents change every batch; the last few are reused by the ring
+def _balanced(world_size: int, seq_len: int, documents: Documents) -> Layout:
+    ranges = balanced_ranges(world_size, seq_len, documents)
+    pos = torch.tensor([[p for start, end in rank for p in range(start, end)]
+                        for rank in ranges], dtype=torch.int64)
+    runs = []
+    for rank in ranges:
+        local, rank_runs = 0, []
+        for start, end in rank:
+            rank_runs.append(Run(local, start, 1, end - start))
+            local += end - start
+        runs.append(tuple(rank_runs))
+    return Layout("balanced", world_size, seq_len, pos, tuple(runs))
+
+
+# Memoised so that repeated calls with a layout name share one Layout, and with it the
+# ring's cached step plans; layouts are immutable, so sharing is safe.
+@lru_cache(maxsize=16)
+def _builtin(kind: str, world_size: int, seq_len: int) -> Layout:
+    _check_divisible(kind, world_size, seq_len)
     n, local = world_size, seq_len // world_size
     if kind == "contiguous":
         pos = torch.arange(seq_len).view(n, local)
@@ -253,3 +293,49 @@ def causal_work(layout: Layout) -> list[int]:
     load imbalance.
     """
     return [int((layout.positions(r) + 1).sum()) for r in range(layout.world_size)]
+
+
+def document_work(
+    layout: Layout, documents: Documents | Sequence[int] | None, *, causal: bool = True
+) -> list[int]:
+    """Query-key pairs each rank computes under the document mask: the documents-aware
+    counterpart of :func:`causal_work` (equal to it when ``documents`` is ``None`` and
+    ``causal``). ``max / mean`` is the layout's theoretical load imbalance for them."""
+    docs = check_documents(documents, layout.seq_len) or Documents((layout.seq_len,))
+    work = docs.token_work(causal)
+    return [int(work[layout.positions(r)].sum()) for r in range(layout.world_size)]
+
+
+def block_work(
+    layout: Layout, documents: Documents | Sequence[int] | None = None, *, causal: bool = True
+) -> list[list[int]]:
+    """Visible query-key pairs per block pair: ``[r][s]`` is what rank ``r`` computes at the
+    ring step that holds rank ``s``'s keys (row sums: :func:`document_work`).
+
+    A ring step waits for its slowest rank, so ``sum over steps t of max over ranks r of
+    [r][(r - t) mod N]``, against the mean row sum, is the layout's theoretical imbalance
+    *per step* (:func:`step_imbalance`); a layout can be balanced in total and not per step.
+    """
+    docs = check_documents(documents, layout.seq_len) or Documents((layout.seq_len,))
+    first = torch.tensor(docs.bounds[:-1])[docs.ids]  # each position's document start
+    last = torch.tensor(docs.bounds[1:])[docs.ids] - 1
+    matrix = []
+    for r in range(layout.world_size):
+        q_pos = layout.positions(r)
+        lo, hi = first[q_pos], q_pos if causal else last[q_pos]  # visible keys: lo..hi
+        row = []
+        for s in range(layout.world_size):
+            keys = layout.positions(s).sort().values
+            seen = torch.searchsorted(keys, hi, right=True) - torch.searchsorted(keys, lo)
+            row.append(int(seen.sum()))
+        matrix.append(row)
+    return matrix
+
+
+def step_imbalance(work: list[list[int]]) -> float:
+    """``sum_t max_r work[r][(r - t) mod N]`` over the mean row sum, for a
+    :func:`block_work` matrix: 1.0 when every ring step is balanced."""
+    world = len(work)
+    mean = sum(map(sum, work)) / world
+    steps = sum(max(work[r][(r - t) % world] for r in range(world)) for t in range(world))
+    return steps / mean if mean > 0 else 1.0

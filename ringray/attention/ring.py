@@ -7,6 +7,11 @@
 (see :mod:`ringray.attention.layouts`). The result equals attention over the whole sequence,
 restricted to this rank's queries.
 
+Packed documents: ``documents=[...]`` gives the global sequence's document lengths (the same
+on every rank, shared by the batch's rows); attention then stays inside each document
+(:mod:`ringray.attention.documents`). The plan skips K/V blocks and pieces that lie wholly in
+other documents, and ``layout="balanced"`` spreads the documents' work evenly.
+
 Forward: at step t this rank holds the K/V block that started on rank (r - t) mod N. The
 next block's send/receive is posted before the step's compute and waited for after it, so
 the transfer hides behind the compute. Each step's pieces (see
@@ -35,6 +40,7 @@ import torch.distributed as dist
 from ringray.attention.backends import BlockAttentionBackend, FusedStepBackend
 from ringray.attention.backends.common import accumulation_dtype, softmax_delta
 from ringray.attention.comm import PendingExchange, RingComm
+from ringray.attention.documents import Documents
 from ringray.attention.layouts import Layout
 from ringray.attention.merge import merge_into
 from ringray.attention.stats import NULL_TIMER, RingStats, StepTimer
@@ -54,6 +60,7 @@ def ring_attention(
     backend: str = "auto",
     return_lse: bool = False,
     stats: RingStats | None = None,
+    documents: Documents | list[int] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact (causal) attention of this rank's queries over the whole ring's keys.
 
@@ -62,14 +69,18 @@ def ring_attention(
         k, v: ``(batch, local_seq, kv_heads, head_dim)``; ``q_heads % kv_heads == 0``.
         group: the context-parallel process group; ``None`` is the default group (or a
             single process when ``torch.distributed`` is not initialised).
-        layout: ``"zigzag"``, ``"striped"``, ``"contiguous"``, a :class:`Layout`, or one
-            list of global positions per rank.
+        layout: ``"zigzag"``, ``"striped"``, ``"contiguous"``, ``"balanced"`` (built for
+            ``documents``), a :class:`Layout`, or one list of global positions per rank.
         causal: apply ``q_pos >= k_pos`` on global positions.
         softmax_scale: defaults to ``head_dim ** -0.5``.
         backend: local kernel: ``"auto"``, ``"triton"``, ``"sdpa"`` or ``"reference"``.
         return_lse: also return the natural-log LSE, ``(batch, q_heads, local_seq)``
             float32 (not differentiable).
         stats: a :class:`RingStats` that receives one record per ring step.
+        documents: the document lengths of the *global* sequence (positive, summing to
+            ``local_seq * world_size``, identical on every rank, shared by every batch row):
+            a query sees only keys of its own document (causal within it, or all of it when
+            ``causal=False``). ``None``: one document.
 
     Raises:
         ValueError: on a bad argument (naming it), or when another rank of the ring
@@ -79,37 +90,50 @@ def ring_attention(
     checked: CheckedCall | None = None
     error: ValueError | None = None
     try:
-        checked = check_local(q, k, v, comm, layout, causal, softmax_scale, backend)
+        checked = check_local(q, k, v, comm, layout, causal, softmax_scale, backend,
+                              documents)
     except ValueError as exc:
         error = exc
-    agree_across_ranks(comm, checked, q.device if isinstance(q, torch.Tensor) else None)
+    agree_across_ranks(comm, checked, q.device if isinstance(q, torch.Tensor) else None,
+                       error)
     if error is not None:
         raise error
     out, lse = _RingAttention.apply(
-        q, k, v, comm, checked.layout, causal, checked.scale, checked.kernel, stats
+        q, k, v, comm, checked.layout, causal, checked.scale, checked.kernel, stats,
+        checked.documents,
     )
     return (out, lse) if return_lse else out
 
 
-@lru_cache(maxsize=64)  # plans are pure functions of immutable layouts
-def _plan(layout: Layout, rank: int, causal: bool) -> RankPlan:
-    return plan_rank(layout, rank, causal)
+@lru_cache(maxsize=64)  # plans are pure functions of immutable layouts (and documents)
+def _plan(layout: Layout, rank: int, causal: bool, documents: Documents | None) -> RankPlan:
+    return plan_rank(layout, rank, causal, documents)
 
 
-def _kernel_args(piece: Piece, layout: Layout, q_rank: int, k_rank: int) -> dict:
-    positions = {}
+def _kernel_args(piece: Piece, layout: Layout, q_rank: int, k_rank: int,
+                 documents: Documents | None, causal: bool) -> dict:
+    mask = {}
     if piece.kind is PieceKind.MASKED:
-        positions = {
-            "q_pos": layout.positions(q_rank)[piece.q_start : piece.q_end],
-            "k_pos": layout.positions(k_rank)[piece.k_start : piece.k_end],
-        }
-    return {"kind": piece.kind, **positions}
+        q_pos = layout.positions(q_rank)[piece.q_start : piece.q_end]
+        k_pos = layout.positions(k_rank)[piece.k_start : piece.k_end]
+        mask = {"q_pos": q_pos, "k_pos": k_pos}
+        if documents is not None:
+            mask.update(causal=causal, q_doc=documents.ids[q_pos], k_doc=documents.ids[k_pos])
+    return {"kind": piece.kind, **mask}
 
 
-def _device_positions(layout: Layout, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Every rank's global positions as int32 on ``device``: moved once per ring call."""
-    return tuple(layout.positions(r).to(device=device, dtype=torch.int32)
-                 for r in range(layout.world_size))
+def _device_tokens(
+    layout: Layout, documents: Documents | None, device: torch.device
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor | None, ...]]:
+    """Every rank's global positions and document indices (``None`` without documents) as
+    int32 on ``device``: moved once per ring call, for a fused-step backend."""
+    ranks = range(layout.world_size)
+    positions = tuple(layout.positions(r).to(device=device, dtype=torch.int32) for r in ranks)
+    if documents is None:
+        return positions, (None,) * layout.world_size
+    doc_ids = tuple(documents.ids[layout.positions(r)].to(device=device, dtype=torch.int32)
+                    for r in ranks)
+    return positions, doc_ids
 
 
 def _timer(stats: RingStats | None, device: torch.device) -> StepTimer:
@@ -131,9 +155,10 @@ def _finish_step(
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, comm: RingComm, layout: Layout, causal: bool, scale: float,
-                kernel: BlockAttentionBackend, stats: RingStats | None):
+                kernel: BlockAttentionBackend, stats: RingStats | None,
+                documents: Documents | None):
         rank, world = comm.rank, comm.world_size
-        plan = _plan(layout, rank, causal)
+        plan = _plan(layout, rank, causal, documents)
         acc = accumulation_dtype(q.dtype)
         batch, seq, q_heads, head_dim = q.shape
         q_t = q.transpose(1, 2)
@@ -144,7 +169,8 @@ class _RingAttention(torch.autograd.Function):
         lse = torch.full((batch, q_heads, seq), float("-inf"), dtype=acc, device=q.device)
         touched = torch.zeros(seq, dtype=torch.bool)  # rows that hold a partial result yet
         fused = kernel if isinstance(kernel, FusedStepBackend) else None
-        positions = _device_positions(layout, q.device) if fused is not None else None
+        positions, doc_ids = (_device_tokens(layout, documents, q.device) if fused is not None
+                              else (None, None))
 
         for step in range(world):
             source = (rank - step) % world
@@ -156,26 +182,29 @@ class _RingAttention(torch.autograd.Function):
                     fused.forward_into(
                         q_t, kv_block[0], kv_block[1], out, lse, causal=causal, scale=scale,
                         q_pos=positions[rank], k_pos=positions[source],
+                        q_doc=doc_ids[rank], k_doc=doc_ids[source],
                     )
             else:
                 _forward_pieces(kernel, plan.pieces[source], q_t, kv_block, out, lse, touched,
-                                scale, layout, rank, source)
+                                scale, layout, rank, source, documents, causal)
             _finish_step(stats, "forward", step, timer, pending)
             if pending is not None:
                 kv_block, kv_incoming = kv_incoming, kv_block
 
         result = out.to(q.dtype).transpose(1, 2).contiguous()
         ctx.save_for_backward(q, result, lse, kv_block)
-        ctx.ring = (comm, layout, causal, scale, kernel, stats, k.dtype, positions)
+        ctx.ring = (comm, layout, causal, scale, kernel, stats, k.dtype, positions, doc_ids,
+                    documents)
         ctx.mark_non_differentiable(lse)
         return result, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, out, lse, kv_block = ctx.saved_tensors
-        comm, layout, causal, scale, kernel, stats, kv_dtype, positions = ctx.ring
+        (comm, layout, causal, scale, kernel, stats, kv_dtype, positions, doc_ids,
+         documents) = ctx.ring
         rank, world = comm.rank, comm.world_size
-        plan = _plan(layout, rank, causal)
+        plan = _plan(layout, rank, causal, documents)
         acc = accumulation_dtype(q.dtype)
         q_t, out_t, dout_t = q.transpose(1, 2), out.transpose(1, 2), dout.transpose(1, 2)
         dq = torch.zeros(q_t.shape, dtype=acc, device=q.device)
@@ -208,10 +237,11 @@ class _RingAttention(torch.autograd.Function):
                         dout_t, q_t, kv_block[0], kv_block[1], lse, delta,
                         dq, dkv_partial[0], dkv_partial[1], causal=causal, scale=scale,
                         q_pos=positions[rank], k_pos=positions[block],
+                        q_doc=doc_ids[rank], k_doc=doc_ids[block],
                     )
             else:
                 _backward_pieces(kernel, plan.pieces[block], dout_t, q_t, kv_block, out_t, lse,
-                                 dq, dkv_partial, scale, layout, rank, block)
+                                 dq, dkv_partial, scale, layout, rank, block, documents, causal)
             _finish_step(stats, "backward", step, timer, pending)
             if step > 0:
                 dkv_partial += dkv_incoming
@@ -222,34 +252,38 @@ class _RingAttention(torch.autograd.Function):
         own = dkv_done if world > 1 else dkv_partial
         dk = own[0].transpose(1, 2).to(kv_dtype)
         dv = own[1].transpose(1, 2).to(kv_dtype)
-        return dq.transpose(1, 2).to(q.dtype), dk, dv, None, None, None, None, None, None
+        return (dq.transpose(1, 2).to(q.dtype), dk, dv,
+                None, None, None, None, None, None, None)
 
 
 def _forward_pieces(
     kernel: BlockAttentionBackend, pieces: tuple[Piece, ...], q_t: torch.Tensor,
     kv_block: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, touched: torch.Tensor,
-    scale: float, layout: Layout, rank: int, source: int,
+    scale: float, layout: Layout, rank: int, source: int, documents: Documents | None,
+    causal: bool,
 ) -> None:
     """One forward step through the plain backend interface: a call per planned piece."""
     for piece in pieces:
         rows, keys = slice(piece.q_start, piece.q_end), slice(piece.k_start, piece.k_end)
         block_out, block_lse = kernel.forward(
             q_t[:, :, rows], kv_block[0][:, :, keys], kv_block[1][:, :, keys],
-            scale=scale, **_kernel_args(piece, layout, rank, source),
+            scale=scale, **_kernel_args(piece, layout, rank, source, documents, causal),
         )
+        # Rows not touched yet hold out 0 and lse -inf, which merge exactly; a piece whose
+        # rows are all untouched is copied instead. Either way its rows are touched after.
         if touched[rows].any():
             merge_into(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
         else:  # first result for these rows: nothing to merge with
             out[:, :, rows] = block_out
             lse[:, :, rows] = block_lse
-            touched[rows] = True
+        touched[rows] = True
 
 
 def _backward_pieces(
     kernel: BlockAttentionBackend, pieces: tuple[Piece, ...], dout_t: torch.Tensor,
     q_t: torch.Tensor, kv_block: torch.Tensor, out_t: torch.Tensor, lse: torch.Tensor,
     dq: torch.Tensor, dkv_partial: torch.Tensor, scale: float, layout: Layout, rank: int,
-    block: int,
+    block: int, documents: Documents | None, causal: bool,
 ) -> None:
     """One backward step through the plain backend interface: a call per planned piece."""
     for piece in pieces:
@@ -258,7 +292,7 @@ def _backward_pieces(
             dout_t[:, :, rows], q_t[:, :, rows],
             kv_block[0][:, :, keys], kv_block[1][:, :, keys],
             out_t[:, :, rows], lse[:, :, rows],
-            scale=scale, **_kernel_args(piece, layout, rank, block),
+            scale=scale, **_kernel_args(piece, layout, rank, block, documents, causal),
         )
         dq[:, :, rows] += dq_piece
         dkv_partial[0][:, :, keys] += dk_piece

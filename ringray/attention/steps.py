@@ -18,15 +18,37 @@ square) and a band of full rows. zigzag and striped therefore never need a mask:
 "shifted diagonal" (a query stripe ahead of the key stripe) is a CAUSAL square one row down
 and one key short, its first query row empty.
 
+With packed documents (:mod:`.documents`) a query sees a key only inside its own document.
+Each run is cut where a document ends into *segments*; only segments of the same document
+meet, and each such pair is planned like two runs, so cross-document work is never a kernel
+call and a pair inside one document needs no mask. Where segments would be too many (many
+tiny documents, or an irregular layout), the block is planned by tiles instead
+(:func:`plan_tiles`): tiles wholly across documents or in the future are skipped, tiles
+wholly visible are ``FULL``, and only tiles that straddle a document boundary or the causal
+diagonal irregularly are ``MASKED``.
+
 Everything here is pure: plain data in, frozen dataclasses out.
 """
 
 from __future__ import annotations
 
+import bisect
 import enum
 from dataclasses import dataclass
 
+import torch
+
+from ringray.attention.documents import Documents
 from ringray.attention.layouts import Layout, Run
+
+# With documents: a block pair is planned segment by segment when its same-document segment
+# pairs (about one kernel call each) are at most MIN_SEGMENT_PAIRS, or at most
+# MAX_SEGMENT_PAIRS with segments of MIN_SEGMENT_TOKENS on average (shorter ones make calls
+# too small to pay for themselves); otherwise by tiles of PLAN_TILE tokens.
+MIN_SEGMENT_PAIRS = 8
+MAX_SEGMENT_PAIRS = 256
+MIN_SEGMENT_TOKENS = 16
+PLAN_TILE = 128
 
 
 class PieceKind(enum.Enum):
@@ -159,8 +181,13 @@ class RankPlan:
         return tuple(sum(p.pairs for p in block) for block in self.pieces)
 
 
-def plan_rank(layout: Layout, rank: int, causal: bool) -> RankPlan:
-    """Plan every block pair (``rank``'s queries × each rank's keys) for one ring call."""
+def plan_rank(
+    layout: Layout, rank: int, causal: bool, documents: Documents | None = None
+) -> RankPlan:
+    """Plan every block pair (``rank``'s queries × each rank's keys) for one ring call;
+    with ``documents``, under the document mask."""
+    if documents is not None:
+        return _plan_rank_documents(layout, rank, causal, documents)
     q_pos = layout.positions(rank)
     q_runs = layout.runs(rank) if layout.is_regular(rank) else None
     q_bounds = (int(q_pos.min()), int(q_pos.max()))
@@ -175,3 +202,145 @@ def plan_rank(layout: Layout, rank: int, causal: bool) -> RankPlan:
             )
         )
     return RankPlan(rank=rank, pieces=tuple(blocks))
+
+
+def _plan_rank_documents(
+    layout: Layout, rank: int, causal: bool, documents: Documents
+) -> RankPlan:
+    q_pos = layout.positions(rank)
+    q_doc = documents.ids[q_pos]
+    q_segs = _segments(layout, rank, documents)
+    blocks = []
+    for src in range(layout.world_size):
+        k_pos = layout.positions(src)
+        blocks.append(plan_document_block(
+            q_segs, _segments(layout, src, documents), q_pos, q_doc, k_pos,
+            documents.ids[k_pos], causal,
+        ))
+    return RankPlan(rank=rank, pieces=tuple(blocks))
+
+
+def plan_document_block(
+    q_segs: dict[int, list[Run]] | None,
+    k_segs: dict[int, list[Run]] | None,
+    q_pos: torch.Tensor, q_doc: torch.Tensor, k_pos: torch.Tensor, k_doc: torch.Tensor,
+    causal: bool,
+) -> tuple[Piece, ...]:
+    """Pieces for a query block against a key block under the document mask.
+
+    ``q_segs``/``k_segs`` map a document to the block's runs inside it (:func:`_segments`;
+    ``None`` when there are too many); ``*_pos``/``*_doc`` are the blocks' global positions
+    and document indices, for the tile planner.
+    """
+    if q_segs is not None and k_segs is not None:
+        shared = [d for d in q_segs if d in k_segs]
+        pairs = sum(len(q_segs[d]) * len(k_segs[d]) for d in shared)
+        long_enough = all(len(pos) >= MIN_SEGMENT_TOKENS * sum(map(len, segs.values()))
+                          for pos, segs in ((q_pos, q_segs), (k_pos, k_segs)))
+        if pairs <= MIN_SEGMENT_PAIRS or (pairs <= MAX_SEGMENT_PAIRS and long_enough):
+            pieces: list[Piece] = []
+            for d in shared:
+                doc_pieces = []
+                for qs in q_segs[d]:
+                    for ks in k_segs[d]:
+                        if causal:
+                            doc_pieces.extend(_plan_runs(qs, ks))
+                        else:
+                            doc_pieces.append(Piece(PieceKind.FULL, qs.local_start,
+                                                    qs.local_start + qs.length, ks.local_start,
+                                                    ks.local_start + ks.length))
+                pieces.extend(coalesce(doc_pieces))  # pieces of two documents never touch
+            return tuple(sorted(pieces, key=lambda p: (p.q_start, p.k_start)))
+    return plan_tiles(q_pos, q_doc, k_pos, k_doc, causal, PLAN_TILE)
+
+
+def _segments(layout: Layout, rank: int, documents: Documents) -> dict[int, list[Run]] | None:
+    """``rank``'s runs cut where documents end, by document; ``None`` when there are more
+    than :data:`MAX_SEGMENT_PAIRS` (then the planner works by tiles)."""
+    runs = layout.runs(rank)
+    if len(runs) > MAX_SEGMENT_PAIRS:
+        return None
+    bounds = documents.bounds
+    segments: dict[int, list[Run]] = {}
+    count = 0
+    for run in runs:
+        i = 0
+        while i < run.length:
+            position = run.global_start + i * run.stride
+            doc = bisect.bisect_right(bounds, position) - 1
+            # The run's indices whose positions lie before the next document's start.
+            inside = min(run.length, -(-(bounds[doc + 1] - run.global_start) // run.stride)) - i
+            segments.setdefault(doc, []).append(
+                Run(run.local_start + i, position, run.stride, inside)
+            )
+            i += inside
+            count += 1
+            if count > MAX_SEGMENT_PAIRS:
+                return None
+    return segments
+
+
+def classify_tiles(
+    q_pos: torch.Tensor, q_doc: torch.Tensor, k_pos: torch.Tensor, k_doc: torch.Tensor,
+    causal: bool, tile: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(runs, full)`` bool ``(query tiles, key tiles)`` matrices from the tiles' position
+    and document ranges: a pair runs unless it is wholly across documents or (causal) every
+    key comes after every query; it is full when every query sees every key. The planner's
+    form of the rule the Triton kernels apply per tile pair
+    (:func:`~.backends.triton_common.classify_tile_pair`)."""
+    q_lo, q_hi = _tile_bounds(q_pos, tile)
+    k_lo, k_hi = _tile_bounds(k_pos, tile)
+    qd_lo, qd_hi = _tile_bounds(q_doc, tile)
+    kd_lo, kd_hi = _tile_bounds(k_doc, tile)
+    runs = (kd_lo[None, :] <= qd_hi[:, None]) & (kd_hi[None, :] >= qd_lo[:, None])
+    one_doc = (qd_lo == qd_hi)[:, None] & (kd_lo == kd_hi)[None, :] & (
+        qd_lo[:, None] == kd_lo[None, :])
+    if causal:
+        runs &= k_lo[None, :] <= q_hi[:, None]
+        return runs, one_doc & (k_hi[None, :] <= q_lo[:, None])
+    return runs, one_doc
+
+
+def _tile_bounds(values: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tile minimum and maximum of ``values`` (the last tile may be short)."""
+    n = values.numel()
+    tiles = -(-n // tile)
+    lo = torch.full((tiles * tile,), torch.iinfo(torch.int64).max, dtype=torch.int64)
+    hi = torch.full((tiles * tile,), torch.iinfo(torch.int64).min, dtype=torch.int64)
+    lo[:n] = values
+    hi[:n] = values
+    return lo.view(tiles, tile).amin(1), hi.view(tiles, tile).amax(1)
+
+
+def plan_tiles(
+    q_pos: torch.Tensor, q_doc: torch.Tensor, k_pos: torch.Tensor, k_doc: torch.Tensor,
+    causal: bool, tile: int = PLAN_TILE,
+) -> tuple[Piece, ...]:
+    """Pieces for a block pair cut into ``tile`` × ``tile`` tiles (local indices): runs of
+    ``FULL`` or ``MASKED`` tiles along a tile row become one piece, and identical pieces of
+    consecutive tile rows join; skipped tiles are no piece at all."""
+    runs, full = classify_tiles(q_pos, q_doc, k_pos, k_doc, causal, tile)
+    kinds = (runs.long() + full.long()).tolist()  # 0 skip, 1 masked, 2 full
+    q_len, k_len = len(q_pos), len(k_pos)
+    pieces: list[Piece] = []
+    last_of: dict[tuple[PieceKind, int, int], int] = {}  # piece that may grow downwards
+    for row, row_kinds in enumerate(kinds):
+        q0, q1 = row * tile, min((row + 1) * tile, q_len)
+        col = 0
+        while col < len(row_kinds):
+            code = row_kinds[col]
+            end = col + 1
+            while end < len(row_kinds) and row_kinds[end] == code:
+                end += 1
+            if code:
+                kind = PieceKind.FULL if code == 2 else PieceKind.MASKED
+                k0, k1 = col * tile, min(end * tile, k_len)
+                above = last_of.get((kind, k0, k1))
+                if above is not None and pieces[above].q_end == q0:
+                    pieces[above] = Piece(kind, pieces[above].q_start, q1, k0, k1)
+                else:
+                    last_of[(kind, k0, k1)] = len(pieces)
+                    pieces.append(Piece(kind, q0, q1, k0, k1))
+            col = end
+    return tuple(sorted(pieces, key=lambda p: (p.q_start, p.k_start)))

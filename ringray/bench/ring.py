@@ -13,13 +13,26 @@ Reported per layout:
   (time blocked waiting for a block after the step's compute);
 - ``overlap_ratio = 1 - exposed / standalone transfer`` for the worst rank;
 - ``imbalance_measured`` (max ÷ mean per-rank compute) and ``imbalance_theoretical`` (max ÷
-  mean query-key pairs of the layout under the causal mask);
+  mean query-key pairs of the layout under the causal mask); ``step_imbalance_theoretical``
+  (the sum over ring steps of the slowest rank's pairs ÷ the mean rank's total,
+  :func:`~ringray.attention.step_imbalance`: a ring step waits for its slowest rank, so a
+  layout balanced in total but not per step shows up as exposed waiting);
 - ``work_efficiency`` = sum of the ranks' compute ÷ the single-process SDPA compute
   (1.0 = the ring does no more work than one fused call on the whole sequence).
+
+With packed documents (``documents="stdlib"``, ``"lognormal:MEAN"`` or ``"fixed:LEN"``, see
+:func:`document_lengths`) attention is confined to each document, the theoretical imbalance
+counts the pairs visible under the document mask
+(:func:`~ringray.attention.document_work`), and the single-process ideal is one SDPA call
+per document (forward + backward) on the whole sequence: the least work that computes the
+same masked attention.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
+import random
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -28,7 +41,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ringray.attention import RingStats, causal_work, make_layout, ring_attention
+from ringray.attention import (
+    RingStats,
+    block_work,
+    make_layout,
+    ring_attention,
+    step_imbalance,
+)
 from ringray.attention.comm import RingComm, ring_transfer_seconds
 from ringray.attention.stats import imbalance_ratio, overlap_ratio
 from ringray.bench.gloo_ranks import run_gloo_ranks
@@ -47,6 +66,7 @@ class RingBenchConfig:
     warmup: int = 1
     dtype: str = "float32"
     batch: int = 1
+    documents: str | None = None  # a document_lengths spec; None: one causal sequence
 
 
 @dataclass(frozen=True)
@@ -70,6 +90,7 @@ class LayoutResult:
     imbalance_measured: float
     imbalance_theoretical: float
     work_efficiency: float
+    step_imbalance_theoretical: float
     single_process_seconds: float
     bytes_sent_per_rank: int
 
@@ -84,16 +105,23 @@ def _inputs(cfg: RingBenchConfig):
     return q, k, v, dout
 
 
-def _single_process_seconds(cfg: RingBenchConfig, q, k, v, dout) -> float:
-    """CPU seconds of one SDPA forward + backward on the whole sequence (median of runs)."""
+def _single_process_seconds(cfg: RingBenchConfig, q, k, v, dout,
+                            documents: list[int] | None) -> float:
+    """CPU seconds of SDPA forward + backward on the whole sequence in one process: one call,
+    or one call per document (median of runs)."""
+    bounds = [0, *itertools.accumulate(documents or [cfg.seq])]
     runs = []
     for i in range(cfg.warmup + cfg.iters):
         qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
         start = time.process_time()
-        out = F.scaled_dot_product_attention(
-            qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2),
-            is_causal=cfg.causal, enable_gqa=cfg.heads != cfg.kv_heads,
-        )
+        out = torch.cat([
+            F.scaled_dot_product_attention(
+                qg[:, s:e].transpose(1, 2), kg[:, s:e].transpose(1, 2),
+                vg[:, s:e].transpose(1, 2), is_causal=cfg.causal,
+                enable_gqa=cfg.heads != cfg.kv_heads,
+            )
+            for s, e in itertools.pairwise(bounds)
+        ], dim=2)
         out.backward(dout.transpose(1, 2))
         if i >= cfg.warmup:
             runs.append(time.process_time() - start)
@@ -102,20 +130,22 @@ def _single_process_seconds(cfg: RingBenchConfig, q, k, v, dout) -> float:
 
 def _rank_main(rank: int, world: int, cfg: RingBenchConfig) -> dict:
     q, k, v, dout = _inputs(cfg)
+    documents = document_lengths(cfg.documents, cfg.seq) if cfg.documents else None
     single = None
     if rank == 0:
-        single = _single_process_seconds(cfg, q, k, v, dout)
+        single = _single_process_seconds(cfg, q, k, v, dout, documents)
     dist.barrier()
     per_layout = {}
     for name in cfg.layouts:
-        layout = make_layout(name, world, cfg.seq)
+        layout = make_layout(name, world, cfg.seq, documents=documents)
         q_l, k_l, v_l, dout_l = (layout.shard(t, rank) for t in (q, k, v, dout))
         rows = []
         for i in range(cfg.warmup + cfg.iters):
             stats = RingStats()
             qg, kg, vg = (t.clone().requires_grad_() for t in (q_l, k_l, v_l))
             dist.barrier()
-            out = ring_attention(qg, kg, vg, layout=layout, causal=cfg.causal, stats=stats)
+            out = ring_attention(qg, kg, vg, layout=layout, causal=cfg.causal, stats=stats,
+                                 documents=documents)
             out.backward(dout_l)
             totals = stats.totals()
             transfer, _ = ring_transfer_seconds(RingComm(), k_l)
@@ -133,17 +163,17 @@ def _rank_main(rank: int, world: int, cfg: RingBenchConfig) -> dict:
 
 def summarize(cfg: RingBenchConfig, per_rank: list[dict]) -> list[LayoutResult]:
     single = per_rank[0]["single"]
+    documents = document_lengths(cfg.documents, cfg.seq) if cfg.documents else None
     results = []
     for name in cfg.layouts:
         ranks = [RankResult(**r["layouts"][name]) for r in per_rank]
         compute = [r.compute_seconds for r in ranks]
         exposed = [r.exposed_comm_seconds for r in ranks]
         transfer = [r.transfer_seconds for r in ranks]
-        if cfg.causal:
-            work = causal_work(make_layout(name, cfg.world, cfg.seq))
-            theoretical = max(work) / statistics.mean(work)
-        else:
-            theoretical = 1.0
+        layout = make_layout(name, cfg.world, cfg.seq, documents=documents)
+        pairs = block_work(layout, documents, causal=cfg.causal)
+        work = [sum(row) for row in pairs]
+        theoretical = max(work) / statistics.mean(work)
         overlap = min(overlap_ratio(e, t) for e, t in zip(exposed, transfer, strict=True))
         results.append(
             LayoutResult(
@@ -158,6 +188,7 @@ def summarize(cfg: RingBenchConfig, per_rank: list[dict]) -> list[LayoutResult]:
                 imbalance_measured=imbalance_ratio(compute),
                 imbalance_theoretical=theoretical,
                 work_efficiency=sum(compute) / single,
+                step_imbalance_theoretical=step_imbalance(pairs),
                 single_process_seconds=single,
                 bytes_sent_per_rank=ranks[0].bytes_sent,
             )
@@ -167,7 +198,57 @@ def summarize(cfg: RingBenchConfig, per_rank: list[dict]) -> list[LayoutResult]:
 
 def run_ring_bench(cfg: RingBenchConfig) -> list[LayoutResult]:
     """Run the benchmark on ``cfg.world`` local gloo processes and summarise it."""
-    for name in cfg.layouts:
-        make_layout(name, cfg.world, cfg.seq)  # a bad --seq or layout fails here, not in a rank
+    documents = document_lengths(cfg.documents, cfg.seq) if cfg.documents else None
+    for name in cfg.layouts:  # a bad --seq, layout or documents spec fails here, not in a rank
+        make_layout(name, cfg.world, cfg.seq, documents=documents)
     per_rank = run_gloo_ranks(cfg.world, _rank_main, cfg, timeout_seconds=3600)
     return summarize(cfg, per_rank)
+
+
+DOCUMENT_SPECS = ("stdlib", "lognormal:MEAN", "fixed:LEN")
+LOGNORMAL_SIGMA = 1.0  # spread of the lognormal document lengths (natural-log units)
+
+
+def document_lengths(spec: str, seq_len: int) -> list[int]:
+    """Document lengths packed greedily into ``seq_len`` tokens, the last one cut to fit.
+
+    ``stdlib``: the standard-library corpus (:class:`ringray.data.StdlibSource`) in its own
+    order; with the byte tokenizer a document's token count is its byte length.
+    ``lognormal:MEAN``: lengths drawn (seed 0) from a lognormal of mean ``MEAN`` tokens and
+    sigma :data:`LOGNORMAL_SIGMA`. ``fixed:LEN``: every document ``LEN`` tokens. Raises
+    ``ValueError("documents: ...")`` on a bad spec.
+    """
+    kind, _, value = spec.partition(":")
+    if kind == "stdlib" and not value:
+        from ringray.data import StdlibSource
+
+        return _pack(iter(StdlibSource().document_lengths), seq_len)
+    if kind in ("lognormal", "fixed") and value:
+        try:
+            number = float(value) if kind == "lognormal" else int(value)
+        except ValueError:
+            number = 0
+        if number >= 1 and math.isfinite(number):
+            if kind == "fixed":
+                return _pack(itertools.repeat(number), seq_len)
+            rnd = random.Random(0)
+            mu = math.log(number) - LOGNORMAL_SIGMA**2 / 2  # so that the mean is `number`
+            return _pack((round(rnd.lognormvariate(mu, LOGNORMAL_SIGMA))
+                          for _ in itertools.count()), seq_len)
+        what = "MEAN must be a number" if kind == "lognormal" else "LEN must be a whole number"
+        raise ValueError(f"documents: {spec!r}: {what} of tokens >= 1, e.g. {kind}:512")
+    raise ValueError(f"documents: unknown spec {spec!r}; valid: {', '.join(DOCUMENT_SPECS)}")
+
+
+def _pack(lengths, seq_len: int) -> list[int]:
+    """Lengths (each at least 1) taken in order until they fill ``seq_len``; the last is cut."""
+    packed: list[int] = []
+    total = 0
+    for length in lengths:
+        take = min(max(1, int(length)), seq_len - total)
+        packed.append(take)
+        total += take
+        if total == seq_len:
+            return packed
+    raise ValueError(f"documents: the corpus holds only {total} tokens, fewer than the "
+                     f"sequence's {seq_len}")

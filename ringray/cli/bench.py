@@ -24,35 +24,48 @@ def bench_ring(
     heads: int = typer.Option(8, "--heads", min=1, help="Query heads."),
     kv_heads: int = typer.Option(2, "--kv-heads", min=1, help="Key/value heads (GQA)."),
     head_dim: int = typer.Option(64, "--head-dim", min=1, help="Head dimension."),
-    layouts: str = typer.Option("zigzag,striped,contiguous", "--layouts",
-                                help="Comma-separated layouts to compare."),
+    layouts: str = typer.Option(None, "--layouts", show_default=False,
+                                help="Comma-separated layouts to compare (default: zigzag,"
+                                "striped,contiguous; with --documents also balanced)."),
     full: bool = typer.Option(False, "--full", help="Full (non-causal) attention."),
     iters: int = typer.Option(2, "--iters", min=1, help="Measured iterations per layout."),
+    documents: str = typer.Option(None, "--documents", metavar="SPEC",
+                                  help="Pack documents into the sequence and mask attention "
+                                  "to each: stdlib (the standard library's files), "
+                                  "lognormal:MEAN or fixed:LEN."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object per layout."),
 ) -> None:
     """Overlap, load balance and work efficiency of ring attention on local gloo ranks.
 
     Example: ringray bench ring --world 4 --seq 16384 --heads 8 --kv-heads 2 --head-dim 64
     """
-    from ringray.bench.ring import RingBenchConfig, run_ring_bench
+    from ringray.bench.ring import RingBenchConfig, document_lengths, run_ring_bench
 
+    if layouts is None:
+        layouts = "zigzag,striped,contiguous" + (",balanced" if documents else "")
     names = tuple(n.strip() for n in layouts.split(",") if n.strip())
     if not names:
-        fail("--layouts: give at least one of zigzag, striped, contiguous")
+        fail("--layouts: give at least one of zigzag, striped, contiguous, balanced")
     if heads % kv_heads:
         fail(f"--kv-heads: {kv_heads} must divide --heads {heads}")
     cfg = RingBenchConfig(world=world, seq=seq, heads=heads, kv_heads=kv_heads,
-                          head_dim=head_dim, layouts=names, causal=not full, iters=iters)
+                          head_dim=head_dim, layouts=names, causal=not full, iters=iters,
+                          documents=documents)
     try:
         from ringray.attention import make_layout
 
+        lengths = document_lengths(documents, seq) if documents else None
         for name in names:
-            make_layout(name, world, seq)
+            make_layout(name, world, seq, documents=lengths)
     except ValueError as exc:
-        fail(str(exc))
+        message = str(exc)
+        fail(f"--documents:{message.removeprefix('documents:')}"
+             if message.startswith("documents:") else message)
+    packed = f", {len(lengths)} documents ({documents})" if lengths else ""
     err.print(
         f"ring attention: {world} gloo ranks x 1 thread, seq {seq}, heads {heads}/{kv_heads}, "
-        f"head_dim {head_dim}, {'full' if full else 'causal'}, layouts {', '.join(names)}",
+        f"head_dim {head_dim}, {'full' if full else 'causal'}{packed}, layouts "
+        f"{', '.join(names)}",
         highlight=False,
     )
     with err.status("running (single-process SDPA reference, then each layout)..."):
@@ -61,7 +74,7 @@ def bench_ring(
         json.dump([asdict(r) for r in results], sys.stdout, indent=2)
         sys.stdout.write("\n")
         return
-    _print_ring_tables(results)
+    _print_ring_tables(results, per_document=documents is not None)
 
 
 @app.command("train")
@@ -204,7 +217,7 @@ def bench_kernel(
         raise typer.Exit(code=1)
 
 
-def _print_ring_tables(results) -> None:
+def _print_ring_tables(results, per_document: bool = False) -> None:
     from ringray.attention.stats import overlap_ratio
 
     out = Console()
@@ -218,14 +231,20 @@ def _print_ring_tables(results) -> None:
             table.add_row(str(rank), f"{c:.3f}", f"{e:.4f}", f"{t:.4f}",
                           f"{overlap_ratio(e, t):.3f}")
         out.print(table)
+    ideal = "1-process SDPA per document" if per_document else "1-process SDPA"
+    step_note = ("; step imbal. theory = visible pairs of the slowest rank summed over ring "
+                 "steps / mean" if per_document else "")
     summary = Table(title="summary (compute = CPU seconds, forward + backward; imbalance = "
-                    "max/mean; work eff. = ranks' compute / 1-process SDPA)",
+                    f"max/mean; work eff. = ranks' compute / {ideal}{step_note})",
                     title_justify="left")
-    for col in ("layout", "overlap", "imbal.", "imbal. theory", "work eff.", "max s",
+    steps = ("step imbal. theory",) if per_document else ()
+    for col in ("layout", "overlap", "imbal.", "imbal. theory", *steps, "work eff.", "max s",
                 "SDPA s"):
         summary.add_column(col, justify="right", no_wrap=True)
     for r in results:
+        step = (f"{r.step_imbalance_theoretical:.3f}",) if per_document else ()
         summary.add_row(r.layout, f"{r.overlap_ratio:.3f}", f"{r.imbalance_measured:.3f}",
-                        f"{r.imbalance_theoretical:.3f}", f"{r.work_efficiency:.3f}",
+                        f"{r.imbalance_theoretical:.3f}", *step, f"{r.work_efficiency:.3f}",
                         f"{r.compute_seconds_max:.3f}", f"{r.single_process_seconds:.3f}")
-    out.print(summary)
+    # The per-step column does not fit 80 columns (rich's width when output is piped).
+    (Console(width=max(out.width, 100)) if per_document else out).print(summary)

@@ -25,12 +25,12 @@ class ReferenceBackend:
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
         return dtype.is_floating_point
 
-    def _probs(self, q, k, kind, scale, q_pos, k_pos, lse=None):
+    def _probs(self, q, k, kind, scale, masking, lse=None):
         """Scores and either their LSE (forward) or probabilities against a given LSE."""
         acc = accumulation_dtype(q.dtype)
         k_full = expand_kv_heads(k, q.shape[1]).to(acc)
         scores = torch.matmul(q.to(acc), k_full.transpose(-1, -2)) * scale
-        allowed = _allowed(kind, q.shape[2], k.shape[2], q_pos, k_pos, q.device)
+        allowed = _allowed(kind, q.shape[2], k.shape[2], q.device, **masking)
         if allowed is not None:
             scores = scores.masked_fill(~allowed, float("-inf"))
         if lse is None:
@@ -38,14 +38,20 @@ class ReferenceBackend:
         finite = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
         return torch.exp(scores - finite.unsqueeze(-1)), lse
 
-    def forward(self, q, k, v, *, kind, scale, q_pos=None, k_pos=None):
-        probs, lse = self._probs(q, k, kind, scale, q_pos, k_pos)
+    def forward(self, q, k, v, *, kind, scale, q_pos=None, k_pos=None, causal=True,
+                q_doc=None, k_doc=None):
+        masking = {"q_pos": q_pos, "k_pos": k_pos, "causal": causal, "q_doc": q_doc,
+                   "k_doc": k_doc}
+        probs, lse = self._probs(q, k, kind, scale, masking)
         v_full = expand_kv_heads(v, q.shape[1]).to(probs.dtype)
         return torch.matmul(probs, v_full), lse
 
-    def backward(self, dout, q, k, v, out, lse, *, kind, scale, q_pos=None, k_pos=None):
+    def backward(self, dout, q, k, v, out, lse, *, kind, scale, q_pos=None, k_pos=None,
+                 causal=True, q_doc=None, k_doc=None):
         acc = accumulation_dtype(q.dtype)
-        probs, _ = self._probs(q, k, kind, scale, q_pos, k_pos, lse=lse.to(acc))
+        masking = {"q_pos": q_pos, "k_pos": k_pos, "causal": causal, "q_doc": q_doc,
+                   "k_doc": k_doc}
+        probs, _ = self._probs(q, k, kind, scale, masking, lse=lse.to(acc))
         dout, out = dout.to(acc), out.to(acc)
         v_full = expand_kv_heads(v, q.shape[1]).to(acc)
         k_full = expand_kv_heads(k, q.shape[1]).to(acc)
@@ -59,9 +65,10 @@ class ReferenceBackend:
         return dq, reduce_kv_heads(dk, kv_heads), reduce_kv_heads(dv, kv_heads)
 
 
-def _allowed(kind, q_len, k_len, q_pos, k_pos, device) -> torch.Tensor | None:
+def _allowed(kind, q_len, k_len, device, *, q_pos, k_pos, causal, q_doc,
+             k_doc) -> torch.Tensor | None:
     if kind is PieceKind.FULL:
         return None
     if kind is PieceKind.CAUSAL:
         return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril()
-    return position_mask(q_pos, k_pos, device)
+    return position_mask(q_pos, k_pos, device, causal=causal, q_doc=q_doc, k_doc=k_doc)

@@ -51,8 +51,9 @@ class SdpaBackend:
             return dtype in (torch.float32, *_HALF)
         return False
 
-    def forward(self, q, k, v, *, kind, scale, q_pos=None, k_pos=None):
-        allowed = position_mask(q_pos, k_pos, q.device) if kind is PieceKind.MASKED else None
+    def forward(self, q, k, v, *, kind, scale, q_pos=None, k_pos=None, causal=True,
+                q_doc=None, k_doc=None):
+        allowed = _masked(kind, q_pos, k_pos, q.device, causal, q_doc, k_doc)
         k, v = expand_kv_heads(k, q.shape[1]), expand_kv_heads(v, q.shape[1])
         if q.device.type == "cpu":
             out, lse = _cpu_forward(q, k, v, kind, scale, allowed)
@@ -65,8 +66,9 @@ class SdpaBackend:
             out = out.masked_fill(empty[:, None], 0.0)
         return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, *, kind, scale, q_pos=None, k_pos=None):
-        allowed = position_mask(q_pos, k_pos, q.device) if kind is PieceKind.MASKED else None
+    def backward(self, dout, q, k, v, out, lse, *, kind, scale, q_pos=None, k_pos=None,
+                 causal=True, q_doc=None, k_doc=None):
+        allowed = _masked(kind, q_pos, k_pos, q.device, causal, q_doc, k_doc)
         kv_heads = k.shape[1]
         k, v = expand_kv_heads(k, q.shape[1]), expand_kv_heads(v, q.shape[1])
         # A row that saw no key (lse -inf) is fully masked: with lse 0 its probabilities are
@@ -77,6 +79,14 @@ class SdpaBackend:
         else:
             dq, dk, dv = _cuda_backward(dout, q, k, v, out, lse, kind, scale, allowed)
         return dq, reduce_kv_heads(dk, kv_heads), reduce_kv_heads(dv, kv_heads)
+
+
+def _masked(kind: PieceKind, q_pos, k_pos, device: torch.device, causal: bool, q_doc,
+            k_doc) -> torch.Tensor | None:
+    """The boolean mask of a MASKED piece (None for the other kinds)."""
+    if kind is not PieceKind.MASKED:
+        return None
+    return position_mask(q_pos, k_pos, device, causal=causal, q_doc=q_doc, k_doc=k_doc)
 
 
 def _additive_mask(allowed: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

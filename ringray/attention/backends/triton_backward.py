@@ -18,9 +18,11 @@ Two kernels, one per output, so neither needs atomics:
   head (the GQA reduction happens in registers) and over their query tiles.
 - ``_dq_kernel``: one program per (query tile, batch, query head), looping over key tiles.
 
-Both classify tile pairs like the forward: empty pairs are skipped without loading anything,
-full pairs run unmasked, straddling pairs apply ``q_pos >= k_pos`` (and the tile that runs
-past the end of the key block masks its padding). A row that saw no key
+Both classify tile pairs like the forward (:func:`~.triton_common.classify_tile_pair`, with
+packed documents from the tiles' document ranges too): empty pairs are skipped without
+loading anything, full pairs run unmasked, straddling pairs apply the per-token mask
+(``q_pos >= k_pos``, same document; :func:`~.triton_common.visible`), and the tile that runs
+past the end of the key block masks its padding. A row that saw no key
 (``lse = -inf``) gets exactly zero gradients. Results are added to float32 accumulators
 (allocated zeroed when not given). ``softmax_delta`` lives in :mod:`.common`.
 """
@@ -36,22 +38,26 @@ from ringray.attention.backends.triton_common import (
     LOG2E,
     classify_tile_pair,
     dot_mode,
+    load_tokens,
     mma,
     padded_head_dim,
-    positions_int32,
-    tile_ranges,
+    tile_args,
+    token_tiles,
+    visible,
 )
 from ringray.attention.backends.triton_config import TileConfig, kernel_configs
 
 
 @triton.jit
 def _dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, QPOS, KPOS, QMIN, QMAX, KMIN, KMAX, VISITS,
+    Q, K, V, DO, LSE, DELTA, DK, DV, QPOS, KPOS, QMIN, QMAX, KMIN, KMAX,
+    QDOC, KDOC, QDMIN, QDMAX, KDMIN, KDMAX, VISITS,
     sqb, sqh, sqs, sqd, skb, skh, sks, skd, svb, svh, svs, svd,
     sdob, sdoh, sdos, sdod, slb, slh, sls, sdlb, sdlh, sdls,
     sdkb, sdkh, sdks, sdkd, sdvb, sdvh, sdvs, sdvd,
     kv_heads, group, sq, sk, num_q_tiles, scale, scale_log2,
-    CAUSAL: tl.constexpr, COUNT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, DOCS: tl.constexpr, MASKING: tl.constexpr,
+    COUNT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     tile_n = tl.program_id(0)
@@ -67,8 +73,8 @@ def _dkdv_kernel(
                 mask=kv_mask, other=0.0)
     v = tl.load(V + b * svb + kv_h * svh + cols[:, None] * svs + dims[None, :] * svd,
                 mask=kv_mask, other=0.0)
-    if CAUSAL:
-        k_pos = tl.load(KPOS + cols, mask=col_ok, other=0)
+    if MASKING:
+        k_pos, k_doc = load_tokens(KPOS, KDOC, cols, col_ok, 0, CAUSAL, DOCS)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     visited = tl.sum(tl.zeros([1], tl.int32), 0)
@@ -80,8 +86,9 @@ def _dkdv_kernel(
         for tile_m in range(0, num_q_tiles):
             run = True
             straddles = False
-            if CAUSAL:
-                run, straddles = classify_tile_pair(QMIN, QMAX, KMIN, KMAX, tile_m, tile_n)
+            if MASKING:
+                run, straddles = classify_tile_pair(QMIN, QMAX, KMIN, KMAX, QDMIN, QDMAX,
+                                                    KDMIN, KDMAX, tile_m, tile_n, CAUSAL, DOCS)
             if run:
                 visited += 1
                 rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -103,9 +110,10 @@ def _dkdv_kernel(
                 s_t = mma(k, q_t, None, UPCAST, PRECISION) * scale_log2
                 if straddles | edge:
                     allowed = col_ok[:, None]
-                    if CAUSAL:
-                        q_pos = tl.load(QPOS + rows, mask=row_ok, other=-1)
-                        allowed = allowed & (q_pos[None, :] >= k_pos[:, None])
+                    if MASKING:
+                        q_pos, q_doc = load_tokens(QPOS, QDOC, rows, row_ok, -1, CAUSAL, DOCS)
+                        allowed = allowed & visible(q_pos[None, :], k_pos[:, None],
+                                                    q_doc[None, :], k_doc[:, None], CAUSAL, DOCS)
                     s_t = tl.where(allowed, s_t, float("-inf"))
                 p_t = tl.exp2(s_t - lse_log2[None, :])
                 dv = mma(p_t.to(do.dtype), do, dv, UPCAST, PRECISION)
@@ -122,11 +130,13 @@ def _dkdv_kernel(
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, QPOS, KPOS, QMIN, QMAX, KMIN, KMAX, VISITS,
+    Q, K, V, DO, LSE, DELTA, DQ, QPOS, KPOS, QMIN, QMAX, KMIN, KMAX,
+    QDOC, KDOC, QDMIN, QDMAX, KDMIN, KDMAX, VISITS,
     sqb, sqh, sqs, sqd, skb, skh, sks, skd, svb, svh, svs, svd,
     sdob, sdoh, sdos, sdod, slb, slh, sls, sdlb, sdlh, sdls, sdqb, sdqh, sdqs, sdqd,
     q_heads, group, sq, sk, num_k_tiles, scale, scale_log2,
-    CAUSAL: tl.constexpr, COUNT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, DOCS: tl.constexpr, MASKING: tl.constexpr,
+    COUNT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     tile_m = tl.program_id(0)
@@ -146,15 +156,16 @@ def _dq_kernel(
     lse = tl.load(LSE + b * slb + h * slh + rows * sls, mask=row_ok, other=0.0)
     lse_log2 = tl.where(lse == float("-inf"), 0.0, lse * KERNEL_LOG2E)  # see _dkdv
     delta = tl.load(DELTA + b * sdlb + h * sdlh + rows * sdls, mask=row_ok, other=0.0)
-    if CAUSAL:
-        q_pos = tl.load(QPOS + rows, mask=row_ok, other=-1)
+    if MASKING:
+        q_pos, q_doc = load_tokens(QPOS, QDOC, rows, row_ok, -1, CAUSAL, DOCS)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     visited = tl.sum(tl.zeros([1], tl.int32), 0)
     for tile_n in range(0, num_k_tiles):
         run = True
         straddles = False
-        if CAUSAL:
-            run, straddles = classify_tile_pair(QMIN, QMAX, KMIN, KMAX, tile_m, tile_n)
+        if MASKING:
+            run, straddles = classify_tile_pair(QMIN, QMAX, KMIN, KMAX, QDMIN, QDMAX, KDMIN,
+                                                KDMAX, tile_m, tile_n, CAUSAL, DOCS)
         if run:
             visited += 1
             cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -169,9 +180,10 @@ def _dq_kernel(
             # lse is far below zero (then inf * 0 = NaN in dQ): mask the block's last tile.
             if straddles | ((tile_n + 1) * BLOCK_N > sk):
                 allowed = col_ok[None, :]
-                if CAUSAL:
-                    k_pos = tl.load(KPOS + cols, mask=col_ok, other=0)
-                    allowed = allowed & (q_pos[:, None] >= k_pos[None, :])
+                if MASKING:
+                    k_pos, k_doc = load_tokens(KPOS, KDOC, cols, col_ok, 0, CAUSAL, DOCS)
+                    allowed = allowed & visible(q_pos[:, None], k_pos[None, :], q_doc[:, None],
+                                                k_doc[None, :], CAUSAL, DOCS)
                 scores = tl.where(allowed, scores, float("-inf"))
             p = tl.exp2(scores - lse_log2[:, None])
             dp = mma(do, v_t, None, UPCAST, PRECISION)
@@ -187,14 +199,17 @@ def block_backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     lse: torch.Tensor, delta: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, *,
     causal: bool, scale: float,
+    q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None,
     dq: torch.Tensor | None = None, dk: torch.Tensor | None = None,
     dv: torch.Tensor | None = None,
     configs: tuple[TileConfig, TileConfig] | None = None, visits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Add this K/V block's ``(dq, dk, dv)`` to float32 accumulators (zeros if not given).
 
-    ``configs`` is ``(dkdv, dq)`` launch shapes, overriding the table. ``visits`` (int32,
-    two elements) counts the tile pairs each kernel computed: ``[dkdv, dq]``.
+    ``q_doc``/``k_doc`` (both or neither) are the tokens' document indices, as in
+    :func:`~.triton_forward.block_forward`. ``configs`` is ``(dkdv, dq)`` launch shapes,
+    overriding the table. ``visits`` (int32, two elements) counts the tile pairs each kernel
+    computed: ``[dkdv, dq]``.
     """
     batch, q_heads, sq, head_dim = q.shape
     kv_heads, sk = k.shape[1], k.shape[2]
@@ -206,34 +221,35 @@ def block_backward(
         table = kernel_configs(head_dim, q.dtype, q.device)
         configs = (table.backward_dkdv, table.backward_dq)
     dkdv_cfg, dq_cfg = configs
-    q_pos32, k_pos32 = positions_int32(q_pos, q.device), positions_int32(k_pos, q.device)
     upcast, precision = dot_mode(q.dtype, q.device)
+    docs = q_doc is not None
     common = {
-        "CAUSAL": causal, "COUNT": visits is not None, "UPCAST": upcast,
-        "PRECISION": precision, "BLOCK_D": padded_head_dim(head_dim), "HEAD_DIM": head_dim,
+        "CAUSAL": causal, "DOCS": docs, "MASKING": causal or docs, "COUNT": visits is not None,
+        "UPCAST": upcast, "PRECISION": precision, "BLOCK_D": padded_head_dim(head_dim),
+        "HEAD_DIM": head_dim,
     }
     inputs = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(),
               *delta.stride())
     group = q_heads // kv_heads
 
-    q_min, q_max = tile_ranges(q_pos32, dkdv_cfg.block_m)
-    k_min, k_max = tile_ranges(k_pos32, dkdv_cfg.block_n)
-    counter = visits[0:1] if visits is not None else q_min  # never written unless counting
-    _dkdv_kernel[(k_min.numel(), batch * kv_heads)](
-        q, k, v, dout, lse, delta, dk, dv, q_pos32, k_pos32, q_min, q_max, k_min, k_max,
+    q_tiles = token_tiles(q_pos, q_doc, dkdv_cfg.block_m, q.device)
+    k_tiles = token_tiles(k_pos, k_doc, dkdv_cfg.block_n, q.device)
+    counter = visits[0:1] if visits is not None else q_tiles.pos  # written only when counting
+    _dkdv_kernel[(k_tiles.num_tiles, batch * kv_heads)](
+        q, k, v, dout, lse, delta, dk, dv, *tile_args(q_tiles, k_tiles),
         counter, *inputs, *dk.stride(), *dv.stride(),
-        kv_heads, group, sq, sk, q_min.numel(), scale, scale * LOG2E,
+        kv_heads, group, sq, sk, q_tiles.num_tiles, scale, scale * LOG2E,
         BLOCK_M=dkdv_cfg.block_m, BLOCK_N=dkdv_cfg.block_n,
         num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages, **common,
     )
 
-    q_min, q_max = tile_ranges(q_pos32, dq_cfg.block_m)
-    k_min, k_max = tile_ranges(k_pos32, dq_cfg.block_n)
-    counter = visits[1:2] if visits is not None else q_min
-    _dq_kernel[(q_min.numel(), batch * q_heads)](
-        q, k, v, dout, lse, delta, dq, q_pos32, k_pos32, q_min, q_max, k_min, k_max,
+    q_tiles = token_tiles(q_pos, q_doc, dq_cfg.block_m, q.device)
+    k_tiles = token_tiles(k_pos, k_doc, dq_cfg.block_n, q.device)
+    counter = visits[1:2] if visits is not None else q_tiles.pos
+    _dq_kernel[(q_tiles.num_tiles, batch * q_heads)](
+        q, k, v, dout, lse, delta, dq, *tile_args(q_tiles, k_tiles),
         counter, *inputs, *dq.stride(),
-        q_heads, group, sq, sk, k_min.numel(), scale, scale * LOG2E,
+        q_heads, group, sq, sk, k_tiles.num_tiles, scale, scale * LOG2E,
         BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n,
         num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages, **common,
     )

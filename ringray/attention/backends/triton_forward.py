@@ -6,11 +6,13 @@
 ``q`` is ``(batch, q_heads, sq, d)``, ``k``/``v`` ``(batch, kv_heads, sk, d)`` in float16,
 bfloat16 or float32 (any strides, so the ring's transposed views need no copy); GQA/MQA by
 indexing the kv head, never by repeating it. ``q_pos`` and ``k_pos`` are the tokens' global
-positions. Each (query tile, key tile) pair is classified from per-tile position ranges
-computed once per call on the device: *empty* (every key after every query: skipped, never
-loaded), *full* (every key at or before every query: no mask) or *straddling* (the only
-tiles that load positions and apply ``q_pos >= k_pos``). A key tile that runs past the end
-of the block is masked too; nothing else is.
+positions; with packed documents, ``q_doc``/``k_doc`` are their document indices. Each
+(query tile, key tile) pair is classified from per-tile position and document ranges
+computed once per call on the device (:func:`~.triton_common.classify_tile_pair`): *empty*
+(every key after every query, or in another document: skipped, never loaded), *full*
+(every query sees every key: no mask) or *straddling* (the only tiles that load positions
+and document indices and apply the mask). A key tile that runs past the end of the block is
+masked too; nothing else is.
 
 With ``out``/``lse`` given (float32, ``(batch, q_heads, sq, d)`` / ``(batch, q_heads, sq)``,
 initialised to 0 / -inf), the block's result is merged into them in place with the
@@ -34,21 +36,25 @@ from ringray.attention.backends.triton_common import (
     LOG2E,
     classify_tile_pair,
     dot_mode,
+    load_tokens,
     mma,
     padded_head_dim,
-    positions_int32,
-    tile_ranges,
+    tile_args,
+    token_tiles,
+    visible,
 )
 from ringray.attention.backends.triton_config import TileConfig, kernel_configs
 
 
 @triton.jit
 def _forward_kernel(
-    Q, K, V, QPOS, KPOS, QMIN, QMAX, KMIN, KMAX, OUT, LSE, VISITS,
+    Q, K, V, QPOS, KPOS, QMIN, QMAX, KMIN, KMAX,
+    QDOC, KDOC, QDMIN, QDMAX, KDMIN, KDMAX, OUT, LSE, VISITS,
     sqb, sqh, sqs, sqd, skb, skh, sks, skd, svb, svh, svs, svd,
     sob, soh, sos, sod, slb, slh, sls,
     q_heads, group, sq, sk, num_k_tiles, scale_log2,
-    CAUSAL: tl.constexpr, MERGE: tl.constexpr, COUNT: tl.constexpr,
+    CAUSAL: tl.constexpr, DOCS: tl.constexpr, MASKING: tl.constexpr,
+    MERGE: tl.constexpr, COUNT: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
@@ -65,8 +71,8 @@ def _forward_kernel(
         Q + b * sqb + h * sqh + rows[:, None] * sqs + dims[None, :] * sqd,
         mask=row_ok[:, None] & dim_ok[None, :], other=0.0,
     )
-    if CAUSAL:
-        q_pos = tl.load(QPOS + rows, mask=row_ok, other=-1)
+    if MASKING:
+        q_pos, q_doc = load_tokens(QPOS, QDOC, rows, row_ok, -1, CAUSAL, DOCS)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -74,8 +80,9 @@ def _forward_kernel(
     for tile_n in range(0, num_k_tiles):
         run = True
         straddles = False
-        if CAUSAL:
-            run, straddles = classify_tile_pair(QMIN, QMAX, KMIN, KMAX, tile_m, tile_n)
+        if MASKING:
+            run, straddles = classify_tile_pair(QMIN, QMAX, KMIN, KMAX, QDMIN, QDMAX, KDMIN,
+                                                KDMAX, tile_m, tile_n, CAUSAL, DOCS)
         if run:
             visited += 1
             cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -89,9 +96,10 @@ def _forward_kernel(
             # padded key columns would get weight, so the block's last tile is masked.
             if straddles | ((tile_n + 1) * BLOCK_N > sk):
                 allowed = col_ok[None, :]
-                if CAUSAL:
-                    k_pos = tl.load(KPOS + cols, mask=col_ok, other=0)
-                    allowed = allowed & (q_pos[:, None] >= k_pos[None, :])
+                if MASKING:
+                    k_pos, k_doc = load_tokens(KPOS, KDOC, cols, col_ok, 0, CAUSAL, DOCS)
+                    allowed = allowed & visible(q_pos[:, None], k_pos[None, :], q_doc[:, None],
+                                                k_doc[None, :], CAUSAL, DOCS)
                 scores = tl.where(allowed, scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -135,12 +143,15 @@ def block_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q_pos: torch.Tensor, k_pos: torch.Tensor, *,
     causal: bool, scale: float,
+    q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None,
     out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
     config: TileConfig | None = None, visits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` over one K/V block; merged into ``out``/``lse`` when given.
 
-    ``config`` overrides the launch shape from :func:`~.triton_config.kernel_configs`.
+    ``q_doc``/``k_doc`` (both or neither) are the tokens' document indices: a query sees
+    only keys of its own document. ``config`` overrides the launch shape from
+    :func:`~.triton_config.kernel_configs`.
     ``visits`` (an int32 tensor of one element) counts the (query tile, key tile) pairs the
     kernel computed, for tests of the tile skipping.
     """
@@ -153,17 +164,18 @@ def block_forward(
         out = torch.empty(batch, q_heads, sq, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(batch, q_heads, sq, dtype=torch.float32, device=q.device)
     cfg = config or kernel_configs(head_dim, q.dtype, q.device).forward
-    q_pos32, k_pos32 = positions_int32(q_pos, q.device), positions_int32(k_pos, q.device)
-    q_min, q_max = tile_ranges(q_pos32, cfg.block_m)
-    k_min, k_max = tile_ranges(k_pos32, cfg.block_n)
-    counter = visits if visits is not None else q_min  # never written unless counting
+    q_tiles = token_tiles(q_pos, q_doc, cfg.block_m, q.device)
+    k_tiles = token_tiles(k_pos, k_doc, cfg.block_n, q.device)
+    counter = visits if visits is not None else q_tiles.pos  # never written unless counting
     upcast, precision = dot_mode(q.dtype, q.device)
-    grid = (q_min.numel(), batch * q_heads)
+    docs = q_doc is not None
+    grid = (q_tiles.num_tiles, batch * q_heads)
     _forward_kernel[grid](
-        q, k, v, q_pos32, k_pos32, q_min, q_max, k_min, k_max, out, lse, counter,
+        q, k, v, *tile_args(q_tiles, k_tiles), out, lse, counter,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
-        q_heads, q_heads // kv_heads, sq, sk, k_min.numel(), scale * LOG2E,
-        CAUSAL=causal, MERGE=merge, COUNT=visits is not None,
+        q_heads, q_heads // kv_heads, sq, sk, k_tiles.num_tiles, scale * LOG2E,
+        CAUSAL=causal, DOCS=docs, MASKING=causal or docs, MERGE=merge,
+        COUNT=visits is not None,
         UPCAST=upcast, PRECISION=precision,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=padded_head_dim(head_dim),
         HEAD_DIM=head_dim, num_warps=cfg.num_warps, num_stages=cfg.num_stages,

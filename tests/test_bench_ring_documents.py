@@ -1,0 +1,56 @@
+"""``ringray bench ring --documents SPEC``: the document mixes it packs, a run end to end with
+the balanced layout in the default list, and one-line errors for a bad spec."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+from typer.testing import CliRunner
+
+from ringray.bench.ring import document_lengths
+from ringray.cli import app
+
+
+def test_stdlib_packs_the_corpus_lengths_in_order():
+    from ringray.data import StdlibSource
+
+    corpus = list(StdlibSource().document_lengths)
+    packed = document_lengths("stdlib", 16384)
+    assert sum(packed) == 16384
+    assert packed[:-1] == corpus[: len(packed) - 1]  # whole documents, byte = token
+    assert 1 <= packed[-1] <= corpus[len(packed) - 1]  # the last one cut to fit
+
+
+def test_lognormal_and_fixed_mixes():
+    lengths = document_lengths("lognormal:512", 1 << 18)
+    assert sum(lengths) == 1 << 18 and min(lengths) >= 1
+    assert 400 < statistics.mean(lengths[:-1]) < 640  # seeded; mean near 512
+    assert lengths == document_lengths("lognormal:512", 1 << 18)
+    assert document_lengths("fixed:1000", 2500) == [1000, 1000, 500]
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("zipf", "--documents: unknown spec 'zipf'; valid: stdlib, lognormal:MEAN, fixed:LEN"),
+    ("fixed:0", "--documents: 'fixed:0': LEN must be a whole number of tokens >= 1"),
+    ("lognormal:big", "--documents: 'lognormal:big': MEAN must be a number of tokens >= 1"),
+])
+def test_bad_specs_fail_with_one_line(spec, message):
+    result = CliRunner().invoke(app, ["bench", "ring", "--documents", spec])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+
+
+def test_bench_ring_with_documents_reports_every_layout():
+    result = CliRunner().invoke(app, [
+        "bench", "ring", "--world", "2", "--seq", "512", "--heads", "2", "--kv-heads", "1",
+        "--head-dim", "16", "--documents", "lognormal:60", "--iters", "1", "--json",
+    ])
+    assert result.exit_code == 0, result.output
+    rows = {r["layout"]: r for r in json.loads(result.stdout)}
+    assert list(rows) == ["zigzag", "striped", "contiguous", "balanced"]
+    for row in rows.values():
+        assert row["work_efficiency"] > 0 and row["imbalance_measured"] >= 1
+        assert row["step_imbalance_theoretical"] >= row["imbalance_theoretical"] - 1e-9
+    assert rows["balanced"]["imbalance_theoretical"] <= 1.02
