@@ -80,15 +80,24 @@ class LocalCluster:
 
 
 def stop_processes_under(directory: str) -> None:
-    """Stop one Ray cluster started with ``ray start --temp-dir=directory``: SIGKILL the
-    processes whose command line names that directory (every Ray process is started with
-    paths under it), and nothing else on the machine (never ``ray stop --force``)."""
+    """Stop one Ray cluster started with ``ray start --temp-dir=directory`` (or an embedded
+    Ray under ``RAY_TMPDIR=directory``): SIGKILL the processes whose command line names that
+    directory (Ray starts its processes with paths under it) and those whose working
+    directory or open files lie under it (Ray's agents and workers rename themselves, e.g.
+    ``ray::DashboardAgent``, so their command line no longer names it). Nothing else on the
+    machine is touched (never ``ray stop --force``)."""
     mine = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+    for proc in Path("/proc").glob("[0-9]*"):
+        if int(proc.name) == os.getpid():
+            continue
         try:
-            if directory.encode() in cmdline.read_bytes():
-                mine.append(int(cmdline.parent.name))
-        except OSError:  # the process has gone
+            if directory.encode() in (proc / "cmdline").read_bytes():
+                mine.append(int(proc.name))
+                continue
+            links = [proc / "cwd", *(proc / "fd").iterdir()]
+            if any(str(link.readlink()).startswith(directory) for link in links):
+                mine.append(int(proc.name))
+        except OSError:  # gone, or not ours to read
             continue
     for pid in mine:
         try:

@@ -1,5 +1,8 @@
 """The Grafana dashboards: their structure, the committed JSON, their queries, export and push.
 
+The dashboards are built with Grafana's foundation SDK; these tests read the JSON it wrote,
+so they hold for whatever builds it.
+
 Structure contracts: stable unique uids, unique panel ids, a ``datasource`` variable used by
 every panel and query, every query filtered by the ``job`` variable, panels inside the
 24-column grid without overlaps, and every metric a panel queries in the metric catalog.
@@ -17,12 +20,19 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from grafana_foundation_sdk.builders import dashboard as sdk_dashboard
 from typer.testing import CliRunner
 
 from ringray.cli import app
 from ringray.dashboards import dashboards, panel_queries, render
+from ringray.dashboards.panels import place, thresholds, timeseries_panel
 from ringray.dashboards.push import DashboardPushError, push_dashboards
-from ringray.metrics.catalog import CATALOG, exported_series_names
+from ringray.metrics.catalog import (
+    CATALOG,
+    CONTROLLER_STATES,
+    RESTART_REASONS,
+    exported_series_names,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 COMMITTED = REPO / "dashboards"
@@ -67,7 +77,8 @@ def test_uids_are_stable_and_unique():
     assert [b["uid"] for b in boards] == ["ringray-job", "ringray-ring"]
     assert [b["title"] for b in boards] == ["ringray / Job", "ringray / Ring"]
     for b in boards:
-        assert b["id"] is None  # Grafana assigns ids; a fixed one would clash on import
+        # Grafana assigns ids; a fixed one would clash on import (the SDK leaves it out).
+        assert b.get("id") is None
         assert b["schemaVersion"] >= 39
 
 
@@ -83,7 +94,7 @@ def test_the_variables_are_a_prometheus_datasource_and_the_job(board):
     assert variables["datasource"]["query"] == "prometheus"
     job = variables["job"]
     assert job["type"] == "query"
-    assert job["query"] == job["definition"] == "label_values(ringray_training_step, job)"
+    assert job["query"] == "label_values(ringray_training_step, job)"
     assert job["datasource"] == DATASOURCE
 
 
@@ -146,6 +157,27 @@ def test_the_dashboards_answer_the_issue_questions():
     heatmap = next(p for p in _load("ringray-ring.json")["panels"]
                    if p["title"] == "Exposed communication per rank")
     assert heatmap["type"] == "heatmap"
+
+
+def test_the_catalogs_label_values_reach_the_dashboards():
+    """The restart reasons a description lists and the states the state panels colour are
+    the catalog's, so a reason or state added there shows up here on the next build."""
+    job = {p["title"]: p for p in _load("ringray-job.json")["panels"]}
+    for reason in RESTART_REASONS:
+        assert reason in job["Restarts by reason"]["description"], reason
+    for title in ("State", "State over time"):
+        colored = [o["matcher"]["options"] for o in job[title]["fieldConfig"]["overrides"]]
+        assert colored == list(CONTROLLER_STATES), title
+
+
+def test_a_row_wider_than_the_grid_is_refused():
+    row = [timeseries_panel("left", 12), timeseries_panel("right", 13)]
+    with pytest.raises(ValueError, match=r"\['left', 'right'\] is 12 \+ 13 = 25 columns"):
+        place(sdk_dashboard.Dashboard("t"), [row])
+    with pytest.raises(ValueError, match="width 25 must be 1..24"):
+        timeseries_panel("wide", 25)
+    with pytest.raises(ValueError, match="the first step is the base"):
+        thresholds((1, "red"))
 
 
 def test_panel_queries_substitutes_the_variables():

@@ -1,6 +1,7 @@
 """``ringray submit | list | status | logs | stop | resume``: jobs on a remote Ray cluster.
 
     ringray submit jobs/quickstart.yaml --address http://head:8265     # prints the id
+    ringray submit jobs/quickstart.yaml --dry-run     # prints what it would send (JSON)
     ringray list --address http://head:8265
     ringray status ringray-quickstart-20261121-101500 --address http://head:8265
     ringray logs ringray-quickstart-20261121-101500 --follow
@@ -9,11 +10,17 @@
 
 ``--address`` is the Ray dashboard's URL (the Ray Jobs API), and may come from
 ``$RAY_API_SERVER_ADDRESS`` as with Ray's own ``ray job`` commands.
+
+A submission runs on the cluster's own Python (``python -m ringray``), and its runtime
+environment's pip brings ringray's dependencies except torch, triton and Ray (``--no-pip``:
+the image has them; ``--pip PKG``: more). ``--dry-run`` prints, as JSON, the submission id,
+entrypoint, runtime environment and metadata that would be sent, and sends nothing.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from datetime import datetime
@@ -56,13 +63,23 @@ def _call(what: str, fn, *args):
         fail(f"{what}: {first_line(exc)}")
 
 
+def _short_message(message: str) -> str:
+    """Ray's status message in one line: its first, without the copy of the logs that Ray
+    appends to a failed entrypoint's (``status`` shows the last log line itself)."""
+    first = next((line.strip() for line in message.splitlines() if line.strip()), "")
+    return re.split(r",? last available logs", first)[0].rstrip(":, ")
+
+
 def _when(seconds: float | None) -> str:
     return datetime.fromtimestamp(seconds).strftime("%Y-%m-%d %H:%M:%S") if seconds else "-"
 
 
 def submit(
     spec_path: str = typer.Argument(..., metavar="SPEC", help="Job spec (YAML)."),
-    address: str = _address_option(),
+    address: str | None = typer.Option(
+        None, "--address", envvar="RAY_API_SERVER_ADDRESS",
+        help=ADDRESS_HELP + " Required unless --dry-run.",
+    ),
     steps: int | None = typer.Option(None, "--steps", min=1, help="Override train.steps."),
     overrides: list[str] = typer.Option(  # noqa: B008 - typer's documented form
         [], "--set", help="Override a spec field (repeatable), e.g. train.seq_len=8192."
@@ -72,15 +89,33 @@ def submit(
         help="Run directory on the cluster (steps.jsonl, checkpoints); default: the spec's "
         "run_dir, else ~/ringray-runs/<name>. Multi-node jobs need shared storage there.",
     ),
+    no_pip: bool = typer.Option(
+        False, "--no-pip",
+        help="Do not install ringray's dependencies on the cluster (its image has them).",
+    ),
+    pip: list[str] = typer.Option(  # noqa: B008 - typer's documented form
+        [], "--pip", metavar="PKG",
+        help="Another package for the job's pip (repeatable), e.g. --pip flash-attn.",
+    ),
+    dry_run: bool = typer.Option(
+        False, "--dry-run",
+        help="Print the entrypoint, runtime environment and metadata it would send (JSON) "
+        "and submit nothing.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the submission as JSON."),
 ) -> None:
     """Submit a job to a Ray cluster (Ray Jobs API); prints its submission id.
 
     The spec is validated here first. This directory is shipped as the job's working
-    directory (without .venv, runs, .git); the cluster runs `ringray train SPEC`.
+    directory (without .venv, runs, .git); the cluster runs `python -m ringray train SPEC`
+    with its own Python, which needs Ray and torch (of the versions the cluster runs). The
+    job's pip installs ringray's other dependencies unless --no-pip; never torch, triton or
+    Ray.
 
     Example: ringray submit jobs/quickstart.yaml --address http://127.0.0.1:8265 --steps 50
     """
+    from ringray.cluster.jobs import job_requirements, submission_request
+
     # Paths in the spec are the cluster's (run_dir, checkpoint.path): not checked here.
     spec = load_spec(spec_path, overrides, steps=steps, check_paths=False)
     overrides = [*overrides, f"train.steps={steps}"] if steps is not None else overrides
@@ -89,9 +124,20 @@ def submit(
               f"job's working directory)")
     relative_spec = str(Path(spec_path).resolve().relative_to(Path.cwd()))
     run_dir = run_dir or spec.run_dir or f"~/ringray-runs/{spec.name}"
+    packages = [*([] if no_pip else job_requirements()), *pip]
+    request = submission_request(spec_path=relative_spec, job_name=spec.name,
+                                 overrides=overrides, run_dir=run_dir,
+                                 working_dir=str(Path.cwd()), pip=packages)
+    if dry_run:
+        json.dump(request.to_dict(), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        err.print("dry run: nothing was submitted", highlight=False)
+        return
+    if address is None:
+        fail("--address (or $RAY_API_SERVER_ADDRESS): the Ray dashboard URL, e.g. "
+             "http://head:8265, is required to submit")
     jobs = _jobs(address)
-    submission_id = _call(f"--address {address}", lambda: jobs.submit(
-        spec_path=relative_spec, job_name=spec.name, overrides=overrides, run_dir=run_dir))
+    submission_id = _call(f"--address {address}", lambda: jobs.submit(request))
     if as_json:
         json.dump({"submission_id": submission_id, "run_dir": run_dir}, sys.stdout)
         sys.stdout.write("\n")
@@ -143,9 +189,9 @@ def status(
         json.dump({**info.to_dict(), "last_line": progress}, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return
-    out = Console()
-    out.print(f"{info.submission_id}: {info.status}" + (f" ({info.message})"
-                                                         if info.message else ""),
+    out = Console(soft_wrap=True)  # one line each, however long (an error line included)
+    message = _short_message(info.message)
+    out.print(f"{info.submission_id}: {info.status}" + (f" ({message})" if message else ""),
               highlight=False)
     out.print(f"  job {info.job_name!r}, spec {info.spec}, run directory {info.run_dir}",
               highlight=False)
@@ -231,6 +277,8 @@ def resume(
 
     Example: ringray resume runs/quickstart --steps 200
     """
+    from ringray.cluster.jobs import submission_request
+
     overrides = [*overrides, "checkpoint.resume=true"]
     run_path = Path(run).expanduser()
     if run_path.is_dir():
@@ -251,9 +299,11 @@ def resume(
     previous = [o for o in info.overrides if not o.startswith("train.steps=") or steps is None]
     if steps is not None:
         previous.append(f"train.steps={steps}")
-    submission_id = _call(f"--address {address}", lambda: jobs.submit(
-        spec_path=info.spec, job_name=info.job_name, overrides=[*previous, *overrides],
-        run_dir=info.run_dir))
+    # The same spec, overrides, run directory and pip packages (the same environment).
+    request = submission_request(spec_path=info.spec, job_name=info.job_name,
+                                 overrides=[*previous, *overrides], run_dir=info.run_dir,
+                                 working_dir=str(Path.cwd()), pip=info.pip)
+    submission_id = _call(f"--address {address}", lambda: jobs.submit(request))
     err.print(f"resubmitted job {info.job_name!r} (from {run}) to continue from its last "
                f"checkpoint in {info.run_dir}", highlight=False)
     print(submission_id)

@@ -11,10 +11,10 @@ here touches Ray, so every branch is unit-tested without a cluster.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 
-class FailureKind(str, Enum):
+class FailureKind(StrEnum):
     """Why a ring was torn down (the ``reason`` of a restart)."""
 
     ACTOR_DIED = "actor_died"  # a worker process exited (killed, crashed, OOM)

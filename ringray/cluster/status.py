@@ -10,13 +10,13 @@ into tests and the CLI without Ray-specific types.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 from ringray.cluster.placement import PlacementPlan
 from ringray.train import StepStats
 
 
-class JobState(str, Enum):
+class JobState(StrEnum):
     PLACING = "placing"
     STARTING = "starting"
     RUNNING = "running"

@@ -10,11 +10,11 @@ how its rings are doing (overlap and imbalance per ring, exposed communication p
 traffic, the straggler, memory). Every metric name goes through
 :func:`ringray.metrics.catalog.metric`, so a name that is not in the catalog fails the build.
 
-Why plain typed builders rather than Grafana's foundation SDK: the SDK's Python package is
-generated per Grafana release and would be pinned to one, for two dashboards of a few panel
-kinds; ~200 lines of frozen dataclasses (:mod:`ringray.dashboards.model`) write the same JSON,
-need no dependency, and keep the output small and byte-stable, which is what lets the
-committed JSON be checked against a fresh build.
+The dashboards are built with Grafana's foundation SDK (``grafana-foundation-sdk``, typed
+builders generated from Grafana's dashboard schema; :mod:`ringray.dashboards.panels` holds
+ringray's look per panel kind). The SDK's version is pinned exactly in pyproject.toml: a
+different build may write different JSON, and the committed files are checked against a fresh
+build.
 """
 
 from __future__ import annotations
@@ -23,8 +23,29 @@ import json
 import re
 from pathlib import Path
 
-from ringray.dashboards.model import Dashboard, Panel, Target, Threshold, Variable
-from ringray.metrics.catalog import metric
+from grafana_foundation_sdk.builders import dashboard
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import common as common_model
+from grafana_foundation_sdk.models import dashboard as dashboard_model
+
+from ringray.dashboards.panels import (
+    DATASOURCE,
+    as_steps,
+    bargauge_panel,
+    fixed_colors,
+    heatmap_panel,
+    place,
+    queries,
+    query,
+    stat_panel,
+    state_timeline_panel,
+    thresholds,
+    timeseries_panel,
+    with_threshold_areas,
+)
+from ringray.metrics.catalog import CONTROLLER_STATES, RESTART_REASONS, metric
+
+Dashboard = dashboard_model.Dashboard  # what dashboards() returns: the SDK's built model
 
 JOB_FILTER = 'job="$job"'
 RATE_WINDOW = "$__rate_interval"
@@ -67,241 +88,251 @@ def ring_seconds() -> str:
             f"{series('ringray_exposed_comm_seconds')}")
 
 
-def _variables() -> tuple[Variable, ...]:
+def _board(uid: str, title: str, description: str) -> dashboard.Dashboard:
+    """A dashboard with ringray's settings: the ``datasource`` and ``job`` variables, a shared
+    crosshair (the same moment on every panel), the last 6 hours refreshed every 30 s, and
+    the viewer's own time zone ("")."""
+    job_values = f"label_values({metric('ringray_training_step').name}, job)"
     return (
-        Variable("datasource", "Prometheus", "datasource", "prometheus"),
-        Variable("job", "Job", "query",
-                 f"label_values({metric('ringray_training_step').name}, job)"),
+        dashboard.Dashboard(title).uid(uid).description(description).tags(["ringray"])
+        .editable().tooltip(dashboard_model.DashboardCursorSync.CROSSHAIR)
+        .time("now-6h", "now").refresh("30s").timezone("")
+        .with_variable(dashboard.DatasourceVariable("datasource").label("Prometheus")
+                       .type("prometheus"))
+        # refresh on a time-range change: the job list is read again when the range moves.
+        .with_variable(dashboard.QueryVariable("job").label("Job").datasource(DATASOURCE)
+                       .query(job_values)
+                       .refresh(dashboard_model.VariableRefresh.ON_TIME_RANGE_CHANGED)
+                       .sort(dashboard_model.VariableSort.ALPHABETICAL_ASC))
     )
 
-
-def _stat(title: str, *targets: Target, unit: str = "short", **kwargs) -> Panel:
-    return Panel(title, "stat", targets, width=4, height=4, unit=unit, **kwargs)
-
-
-# Counts and sizes that change in steps: drawn as steps, not slopes.
-_STEPS = {"fillOpacity": 0, "lineInterpolation": "stepAfter", "lineWidth": 2}
 
 # Colours of the controller's states (ringray.metrics.catalog.CONTROLLER_STATES).
-_STATE_COLORS = (
-    ("placing", "purple"), ("starting", "purple"), ("running", "green"),
-    ("checkpointing", "blue"), ("evaluating", "blue"), ("recovering", "orange"),
-    ("resizing", "yellow"), ("finished", "text"), ("failed", "red"), ("stopped", "text"),
-)
+_STATE_COLORS = {
+    "placing": "purple", "starting": "purple", "running": "green", "checkpointing": "blue",
+    "evaluating": "blue", "recovering": "orange", "resizing": "yellow", "finished": "text",
+    "failed": "red", "stopped": "text",
+}
 
 
-def job_dashboard() -> Dashboard:
+def _state_colors() -> list[tuple[str, str]]:
+    """Every controller state of the catalog with its colour, in the catalog's order."""
+    missing = [state for state in CONTROLLER_STATES if state not in _STATE_COLORS]
+    if missing:
+        raise ValueError(f"controller states without a colour: {', '.join(missing)}")
+    return [(state, _STATE_COLORS[state]) for state in CONTROLLER_STATES]
+
+
+def job_dashboard() -> dashboard.Dashboard:
     """"ringray / Job": is the job training, how fast, how well, and how safely."""
     state_now = f"{series('ringray_controller_state')} == 1"
-    checkpoint_age = (f"time() - ({series('ringray_last_checkpoint_timestamp_seconds')} > 0)")
-    stats = (
-        _stat("State", Target(state_now, "{{state}}", instant=True),
-              description="The controller's state now.", colors=_STATE_COLORS,
-              options={"colorMode": "background", "textMode": "name"}),
-        _stat("Step", Target(series("ringray_training_step"), "step", instant=True),
-              description="Optimizer steps completed (goes back after a recovery restores a "
-              "checkpoint)."),
-        _stat("World size", Target(series("ringray_world_size"), "now", instant=True),
-              Target(series("ringray_world_size_target"), "target", instant=True),
-              description="Ranks the job runs on now, and the ranks it asks for."),
-        _stat("Restarts", Target(f"sum({series('ringray_restarts_total')})", "restarts",
-                                 instant=True),
-              description="Rings rebuilt after a failure or a preemption, all reasons.",
-              thresholds=(Threshold(None, "green"), Threshold(1, "orange"))),
-        _stat("Since last step",
-              Target(f"time() - {series('ringray_last_step_timestamp_seconds')}", "age",
-                     instant=True),
-              unit="s", decimals=0, description="Seconds since the last step completed.",
-              thresholds=(Threshold(None, "green"), Threshold(300, "orange"),
-                          Threshold(900, "red"))),
-        _stat("Last checkpoint", Target(checkpoint_age, "age", instant=True),
-              unit="s", decimals=0, no_value="none yet",
-              description="Seconds since the last complete checkpoint was committed.",
-              thresholds=(Threshold(None, "green"), Threshold(3600, "orange"),
-                          Threshold(4 * 3600, "red"))),
-    )
-    training = (
-        Panel("Throughput", "timeseries",
-              (Target(series("ringray_tokens_per_second"), "tokens/s"),),
-              width=8, unit="suffix: tok/s", min=0,
-              description="Tokens of the global batch per second, per step."),
-        Panel("Model FLOPs utilisation", "timeseries",
-              (Target(series("ringray_model_flops_utilization_ratio"), "MFU"),),
-              width=8, unit="percentunit", min=0, max=1,
-              description="Model FLOPs per second (causal attention counted at half) over "
-              "the devices' peak."),
-        Panel("Loss", "timeseries", (Target(series("ringray_loss"), "loss"),), width=8,
-              description="Token-mean cross-entropy of each step."),
-    )
-    step_time = (
-        Panel("Step time", "timeseries", (
-            Target(step_time_quantile(0.5), "p50"),
-            Target(step_time_quantile(0.9), "p90"),
-            Target(step_time_quantile(0.99), "p99"),
-            Target(f"sum({rate(series('ringray_step_duration_seconds', '_sum'))}) / "
-                   f"sum({rate(series('ringray_step_duration_seconds', '_count'))})", "mean"),
-        ), width=12, unit="s", min=0,
-            description="Wall-clock seconds per optimizer step over the rate window: "
-            "quantiles from the histogram's buckets, and the mean."),
-        Panel("Gradient norm", "timeseries",
-              (Target(series("ringray_grad_norm"), "grad norm"),), width=6, min=0,
-              description="Global L2 norm of the gradients before clipping."),
-        Panel("Learning rate", "timeseries",
-              (Target(series("ringray_learning_rate"), "lr"),), width=6, unit="sci", min=0),
-    )
-    service = (
-        Panel("State over time", "state-timeline", (Target(state_now, "{{state}}"),),
-              width=12, colors=_STATE_COLORS,
-              description="One row per state the controller was in, coloured while it was."),
-        Panel("World size vs target", "timeseries", (
-            Target(series("ringray_world_size"), "world size"),
-            Target(series("ringray_world_size_target"), "target"),
-        ), width=12, min=0, decimals=0,
-            custom=_STEPS,
-            description="Ranks the job runs on against the ranks it asks for: below the "
-            "target while shrunk after a failure or waiting for capacity."),
-    )
-    checkpoints = (
-        Panel("Steps since the last checkpoint", "timeseries", (
-            Target(series("ringray_training_step"), "step"),
-            Target(series("ringray_last_checkpoint_step"), "last checkpoint"),
-        ), width=12, min=0, decimals=0, custom=_STEPS,
-            description="The training step and the step of the last complete checkpoint: "
-            "the gap is the work a failure now would lose."),
-        Panel("Checkpoint duration", "timeseries", (
-            Target(lifetime_mean("ringray_checkpoint_duration_seconds"), "mean"),
-            Target(lifetime_quantile("ringray_checkpoint_duration_seconds", 0.9), "p90"),
-        ), width=12, unit="s", min=0,
-            description="Seconds to write and commit a checkpoint, over every checkpoint "
-            "since the controller started (checkpoints are too rare for a rate window)."),
-    )
-    failures = (
-        Panel("Restarts by reason", "timeseries", (
-            Target(f"sum by (reason) ({series('ringray_restarts_total')})", "{{reason}}"),
-            Target(series("ringray_resizes_total"), "resizes (growth)"),
-        ), width=12, min=0, decimals=0,
-            custom=_STEPS,
-            description="Rings rebuilt, by reason (actor_died, node_died, hang, preempted, "
-            "worker_error, startup), and times the job grew into new capacity."),
-        Panel("Recovery time", "timeseries", (
-            Target(lifetime_mean("ringray_recovery_duration_seconds"), "mean"),
-            Target(lifetime_quantile("ringray_recovery_duration_seconds", 0.5), "p50"),
-            Target(lifetime_quantile("ringray_recovery_duration_seconds", 0.9), "p90"),
-        ), width=12, unit="s", min=0,
-            description="Seconds from noticing a failure to the first step completed after "
-            "it, over every recovery since the controller started."),
-    )
-    return Dashboard(
-        uid="ringray-job", title="ringray / Job",
-        description="A ringray training job: state, throughput, MFU, loss, step time, "
-        "checkpoints, restarts and recovery.",
-        variables=_variables(),
-        rows=(stats, training, step_time, service, checkpoints, failures),
-    )
+    checkpoint_age = f"time() - ({series('ringray_last_checkpoint_timestamp_seconds')} > 0)"
+    stats = [
+        fixed_colors(stat_panel("State", description="The controller's state now.")
+                     .targets(queries(query(state_now, "{{state}}", instant=True)))
+                     .color_mode(common_model.BigValueColorMode.BACKGROUND)
+                     .text_mode(common_model.BigValueTextMode.NAME), _state_colors()),
+        stat_panel("Step", description="Optimizer steps completed (goes back after a recovery "
+                   "restores a checkpoint).")
+        .targets(queries(query(series("ringray_training_step"), "step", instant=True))),
+        stat_panel("World size", description="Ranks the job runs on now, and the ranks it "
+                   "asks for.")
+        .targets(queries(query(series("ringray_world_size"), "now", instant=True),
+                         query(series("ringray_world_size_target"), "target", instant=True))),
+        stat_panel("Restarts", description="Rings rebuilt after a failure or a preemption, "
+                   "all reasons.")
+        .targets(queries(query(f"sum({series('ringray_restarts_total')})", "restarts",
+                               instant=True)))
+        .thresholds(thresholds((None, "green"), (1, "orange"))),
+        stat_panel("Since last step", description="Seconds since the last step completed.")
+        .targets(queries(query(f"time() - {series('ringray_last_step_timestamp_seconds')}",
+                               "age", instant=True)))
+        .unit("s").decimals(0)
+        .thresholds(thresholds((None, "green"), (300, "orange"), (900, "red"))),
+        stat_panel("Last checkpoint", description="Seconds since the last complete checkpoint "
+                   "was committed.")
+        .targets(queries(query(checkpoint_age, "age", instant=True)))
+        .unit("s").decimals(0).no_value("none yet")
+        .thresholds(thresholds((None, "green"), (3600, "orange"), (4 * 3600, "red"))),
+    ]
+    training = [
+        timeseries_panel("Throughput", 8, "Tokens of the global batch per second, per step.")
+        .targets(queries(query(series("ringray_tokens_per_second"), "tokens/s")))
+        .unit("suffix: tok/s").min(0),
+        timeseries_panel("Model FLOPs utilisation", 8, "Model FLOPs per second (causal "
+                         "attention counted at half) over the devices' peak.")
+        .targets(queries(query(series("ringray_model_flops_utilization_ratio"), "MFU")))
+        .unit("percentunit").min(0).max(1),
+        timeseries_panel("Loss", 8, "Token-mean cross-entropy of each step.")
+        .targets(queries(query(series("ringray_loss"), "loss"))),
+    ]
+    step_seconds = "ringray_step_duration_seconds"
+    step_time = [
+        timeseries_panel("Step time", 12, "Wall-clock seconds per optimizer step over the "
+                         "rate window: quantiles from the histogram's buckets, and the mean.")
+        .targets(queries(
+            query(step_time_quantile(0.5), "p50"),
+            query(step_time_quantile(0.9), "p90"),
+            query(step_time_quantile(0.99), "p99"),
+            query(f"sum({rate(series(step_seconds, '_sum'))}) / "
+                  f"sum({rate(series(step_seconds, '_count'))})", "mean"),
+        )).unit("s").min(0),
+        timeseries_panel("Gradient norm", 6, "Global L2 norm of the gradients before "
+                         "clipping.")
+        .targets(queries(query(series("ringray_grad_norm"), "grad norm"))).min(0),
+        timeseries_panel("Learning rate", 6)
+        .targets(queries(query(series("ringray_learning_rate"), "lr"))).unit("sci").min(0),
+    ]
+    service = [
+        fixed_colors(state_timeline_panel("State over time", 12, "One row per state the "
+                                          "controller was in, coloured while it was.")
+                     .targets(queries(query(state_now, "{{state}}"))), _state_colors()),
+        as_steps(timeseries_panel("World size vs target", 12, "Ranks the job runs on against "
+                                  "the ranks it asks for: below the target while shrunk "
+                                  "after a failure or waiting for capacity."))
+        .targets(queries(query(series("ringray_world_size"), "world size"),
+                         query(series("ringray_world_size_target"), "target")))
+        .min(0).decimals(0),
+    ]
+    checkpoint_seconds = "ringray_checkpoint_duration_seconds"
+    checkpoints = [
+        as_steps(timeseries_panel("Steps since the last checkpoint", 12, "The training step "
+                                  "and the step of the last complete checkpoint: the gap is "
+                                  "the work a failure now would lose."))
+        .targets(queries(query(series("ringray_training_step"), "step"),
+                         query(series("ringray_last_checkpoint_step"), "last checkpoint")))
+        .min(0).decimals(0),
+        timeseries_panel("Checkpoint duration", 12, "Seconds to write and commit a "
+                         "checkpoint, over every checkpoint since the controller started "
+                         "(checkpoints are too rare for a rate window).")
+        .targets(queries(query(lifetime_mean(checkpoint_seconds), "mean"),
+                         query(lifetime_quantile(checkpoint_seconds, 0.9), "p90")))
+        .unit("s").min(0),
+    ]
+    recovery_seconds = "ringray_recovery_duration_seconds"
+    failures = [
+        as_steps(timeseries_panel("Restarts by reason", 12, "Rings rebuilt, by reason "
+                                  f"({', '.join(RESTART_REASONS)}), and times the job grew "
+                                  "into new capacity."))
+        .targets(queries(
+            query(f"sum by (reason) ({series('ringray_restarts_total')})", "{{reason}}"),
+            query(series("ringray_resizes_total"), "resizes (growth)"),
+        )).min(0).decimals(0),
+        timeseries_panel("Recovery time", 12, "Seconds from noticing a failure to the first "
+                         "step completed after it, over every recovery since the controller "
+                         "started.")
+        .targets(queries(query(lifetime_mean(recovery_seconds), "mean"),
+                         query(lifetime_quantile(recovery_seconds, 0.5), "p50"),
+                         query(lifetime_quantile(recovery_seconds, 0.9), "p90")))
+        .unit("s").min(0),
+    ]
+    board = _board("ringray-job", "ringray / Job", "A ringray training job: state, "
+                   "throughput, MFU, loss, step time, checkpoints, restarts and recovery.")
+    return place(board, [stats, training, step_time, service, checkpoints, failures])
 
 
-def ring_dashboard() -> Dashboard:
+def ring_dashboard() -> dashboard.Dashboard:
     """"ringray / Ring": is ring communication hidden, is the work even, who is slow."""
     overlap = series("ringray_ring_overlap_ratio")
     imbalance = series("ringray_load_imbalance_ratio")
+    exposed_seconds = series("ringray_exposed_comm_seconds")
     sent_rate = rate(series("ringray_ring_sent_bytes_total"))
-    slowest_over_median = (f"max({ring_seconds()}) / quantile(0.5, {ring_seconds()})")
-    overlap_colors = (Threshold(None, "red"), Threshold(0.8, "orange"), Threshold(0.95, "green"))
-    imbalance_colors = (Threshold(None, "green"), Threshold(1.1, "orange"), Threshold(1.3, "red"))
-    stats = (
-        Panel("Worst ring overlap", "stat", (Target(f"min({overlap})", "overlap", instant=True),),
-              width=6, height=4, unit="percentunit", decimals=1, thresholds=overlap_colors,
-              description="Share of ring transfer time hidden behind compute on the worst "
-              "rank of the worst ring, last step (1: all hidden; negative: waiting longer "
-              "than the transfers alone take)."),
-        Panel("Worst ring imbalance", "stat",
-              (Target(f"max({imbalance})", "imbalance", instant=True),),
-              width=6, height=4, decimals=3, thresholds=imbalance_colors,
-              description="Max over mean attention compute across a ring's ranks, worst ring, "
-              "last step (1: even)."),
-        Panel("Slowest rank ÷ median", "stat",
-              (Target(slowest_over_median, "slowest ÷ median", instant=True),),
-              width=6, height=4, decimals=3, thresholds=imbalance_colors,
-              description="The slowest rank's attention compute plus exposed communication "
-              "over the median rank's, last step: the straggler's cost (1: none)."),
-        Panel("Ring traffic", "stat", (Target(f"sum({sent_rate})", "sent", instant=True),),
-              width=6, height=4, unit="Bps",
-              description="Bytes per second sent around all rings, all ranks."),
-    )
-    rings = (
-        Panel("Overlap per ring", "timeseries", (Target(overlap, "ring {{ring}}"),),
-              width=12, unit="percentunit", max=1, thresholds=overlap_colors,
-              custom={"thresholdsStyle": {"mode": "line+area"}},
-              description="Share of the ring's transfer time hidden behind compute, worst "
-              "rank of the ring, per step (1: all hidden)."),
-        Panel("Load imbalance per ring", "timeseries", (Target(imbalance, "ring {{ring}}"),),
-              width=12, min=1, decimals=3, thresholds=imbalance_colors,
-              custom={"thresholdsStyle": {"mode": "line+area"}},
-              description="Max over mean attention compute across the ring's ranks, per step "
-              "(1: even; causal work on a contiguous layout is the classic imbalance)."),
-    )
-    exposed = (
-        Panel("Exposed communication per rank", "heatmap",
-              (Target(series("ringray_exposed_comm_seconds"), "{{rank}}"),),
-              width=12, unit="s",
-              options={"cellValues": {"unit": "s"},
-                       "yAxis": {"axisLabel": "rank", "axisPlacement": "left",
-                                 "reverse": False}},
-              description="Seconds each rank (a row) waited for ring transfers that compute "
-              "did not hide, per step: a bright row is a rank whose link is slow."),
-        Panel("Exposed share of ring time per rank", "timeseries", (
-            Target(f"{series('ringray_exposed_comm_seconds')} / ({ring_seconds()})",
-                   "rank {{rank}}"),
-        ), width=12, unit="percentunit", min=0,
-            description="Exposed communication over attention compute plus exposed "
-            "communication, per rank (0: every transfer hidden)."),
-    )
-    straggler = (
-        Panel("Slowest rank ÷ median per ring", "timeseries", (
-            Target(slowest_over_median, "all ranks"),
-            Target(f"max by (ring) ({ring_seconds()}) / "
-                   f"quantile by (ring) (0.5, {ring_seconds()})", "ring {{ring}}"),
-        ), width=12, min=1, decimals=3, thresholds=imbalance_colors,
-            description="The slowest rank's attention compute plus exposed communication "
-            "over the median's, across all ranks and within each ring."),
-        Panel("Ring time by rank (last step)", "bargauge", (
-            Target(ring_seconds(), "rank {{rank}} · ring {{ring}} · node {{node}}",
-                   instant=True),
-        ), width=12, unit="s", min=0,
-            description="Attention compute plus exposed communication of each rank in the "
-            "last step: the longest bar is the straggler, and its node is named."),
-    )
-    resources = (
-        Panel("Ring bytes sent per rank", "timeseries", (Target(sent_rate, "rank {{rank}}"),),
-              width=8, unit="Bps", min=0,
-              description="Bytes per second each rank sends around its ring."),
-        Panel("Attention compute per rank", "timeseries",
-              (Target(series("ringray_attention_compute_seconds"), "rank {{rank}}"),),
-              width=8, unit="s", min=0,
-              description="Seconds of ring-attention compute (forward and backward) per rank, "
-              "per step."),
-        Panel("Peak memory per rank", "timeseries",
-              (Target(series("ringray_peak_memory_bytes"), "rank {{rank}}"),),
-              width=8, unit="bytes", min=0,
-              description="Peak accelerator memory (CUDA) or resident set (CPU) per rank."),
-    )
-    return Dashboard(
-        uid="ringray-ring", title="ringray / Ring",
-        description="The rings of a ringray job: overlap, load balance, exposed "
-        "communication, traffic, stragglers and memory.",
-        variables=_variables(),
-        rows=(stats, rings, exposed, straggler, resources),
-    )
+    slowest_over_median = f"max({ring_seconds()}) / quantile(0.5, {ring_seconds()})"
+    overlap_colors = ((None, "red"), (0.8, "orange"), (0.95, "green"))
+    imbalance_colors = ((None, "green"), (1.1, "orange"), (1.3, "red"))
+    stats = [
+        stat_panel("Worst ring overlap", 6, "Share of ring transfer time hidden behind compute "
+                   "on the worst rank of the worst ring, last step (1: all hidden; negative: "
+                   "waiting longer than the transfers alone take).")
+        .targets(queries(query(f"min({overlap})", "overlap", instant=True)))
+        .unit("percentunit").decimals(1).thresholds(thresholds(*overlap_colors)),
+        stat_panel("Worst ring imbalance", 6, "Max over mean attention compute across a "
+                   "ring's ranks, worst ring, last step (1: even).")
+        .targets(queries(query(f"max({imbalance})", "imbalance", instant=True)))
+        .decimals(3).thresholds(thresholds(*imbalance_colors)),
+        stat_panel("Slowest rank ÷ median", 6, "The slowest rank's attention compute plus "
+                   "exposed communication over the median rank's, last step: the "
+                   "straggler's cost (1: none).")
+        .targets(queries(query(slowest_over_median, "slowest ÷ median", instant=True)))
+        .decimals(3).thresholds(thresholds(*imbalance_colors)),
+        stat_panel("Ring traffic", 6, "Bytes per second sent around all rings, all ranks.")
+        .targets(queries(query(f"sum({sent_rate})", "sent", instant=True))).unit("Bps"),
+    ]
+    rings = [
+        with_threshold_areas(timeseries_panel(
+            "Overlap per ring", 12, "Share of the ring's transfer time hidden behind "
+            "compute, worst rank of the ring, per step (1: all hidden)."))
+        .targets(queries(query(overlap, "ring {{ring}}")))
+        .unit("percentunit").max(1).thresholds(thresholds(*overlap_colors)),
+        with_threshold_areas(timeseries_panel(
+            "Load imbalance per ring", 12, "Max over mean attention compute across the ring's "
+            "ranks, per step (1: even; causal work on a contiguous layout is the classic "
+            "imbalance)."))
+        .targets(queries(query(imbalance, "ring {{ring}}")))
+        .min(1).decimals(3).thresholds(thresholds(*imbalance_colors)),
+    ]
+    exposed = [
+        heatmap_panel("Exposed communication per rank", 12, "Seconds each rank (a row) waited "
+                      "for ring transfers that compute did not hide, per step: a bright row "
+                      "is a rank whose link is slow.", row_label="rank", cell_unit="s")
+        .targets(queries(query(exposed_seconds, "{{rank}}"))).unit("s"),
+        timeseries_panel("Exposed share of ring time per rank", 12, "Exposed communication "
+                         "over attention compute plus exposed communication, per rank (0: "
+                         "every transfer hidden).")
+        .targets(queries(query(f"{exposed_seconds} / ({ring_seconds()})", "rank {{rank}}")))
+        .unit("percentunit").min(0),
+    ]
+    straggler = [
+        timeseries_panel("Slowest rank ÷ median per ring", 12, "The slowest rank's attention "
+                         "compute plus exposed communication over the median's, across all "
+                         "ranks and within each ring.")
+        .targets(queries(
+            query(slowest_over_median, "all ranks"),
+            query(f"max by (ring) ({ring_seconds()}) / "
+                  f"quantile by (ring) (0.5, {ring_seconds()})", "ring {{ring}}"),
+        )).min(1).decimals(3).thresholds(thresholds(*imbalance_colors)),
+        bargauge_panel("Ring time by rank (last step)", 12, "Attention compute plus exposed "
+                       "communication of each rank in the last step: the longest bar is the "
+                       "straggler, and its node is named.")
+        .targets(queries(query(ring_seconds(), "rank {{rank}} · ring {{ring}} · node {{node}}",
+                               instant=True)))
+        .unit("s").min(0),
+    ]
+    resources = [
+        timeseries_panel("Ring bytes sent per rank", 8, "Bytes per second each rank sends "
+                         "around its ring.")
+        .targets(queries(query(sent_rate, "rank {{rank}}"))).unit("Bps").min(0),
+        timeseries_panel("Attention compute per rank", 8, "Seconds of ring-attention compute "
+                         "(forward and backward) per rank, per step.")
+        .targets(queries(query(series("ringray_attention_compute_seconds"), "rank {{rank}}")))
+        .unit("s").min(0),
+        timeseries_panel("Peak memory per rank", 8, "Peak accelerator memory (CUDA) or "
+                         "resident set (CPU) per rank.")
+        .targets(queries(query(series("ringray_peak_memory_bytes"), "rank {{rank}}")))
+        .unit("bytes").min(0),
+    ]
+    board = _board("ringray-ring", "ringray / Ring", "The rings of a ringray job: overlap, "
+                   "load balance, exposed communication, traffic, stragglers and memory.")
+    return place(board, [stats, rings, exposed, straggler, resources])
 
 
 def dashboards() -> dict[str, Dashboard]:
-    """Every dashboard by its file name."""
-    return {"ringray-job.json": job_dashboard(), "ringray-ring.json": ring_dashboard()}
+    """Every dashboard by its file name (the SDK's built models)."""
+    return {"ringray-job.json": job_dashboard().build(),
+            "ringray-ring.json": ring_dashboard().build()}
 
 
-def render(dashboard: Dashboard) -> str:
-    """The dashboard's JSON text, byte-stable: the committed files are exactly this."""
-    return json.dumps(dashboard.to_json(), indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+def as_json(board: Dashboard) -> dict:
+    """The dashboard as plain JSON data (what Grafana's HTTP API takes), through the SDK's
+    encoder (its models serialise themselves field by field)."""
+    return json.loads(json.dumps(board, cls=JSONEncoder))
+
+
+def render(board: Dashboard) -> str:
+    """The dashboard's JSON text, byte-stable (sorted keys, one pinned SDK): the committed
+    files are exactly this."""
+    return json.dumps(board, cls=JSONEncoder, indent=2, sort_keys=True,
+                      ensure_ascii=False) + "\n"
 
 
 def write_dashboards(directory: str | Path) -> list[Path]:
@@ -309,9 +340,9 @@ def write_dashboards(directory: str | Path) -> list[Path]:
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
-    for filename, dashboard in dashboards().items():
+    for filename, board in dashboards().items():
         path = out / filename
-        path.write_text(render(dashboard), encoding="utf-8")
+        path.write_text(render(board), encoding="utf-8")
         paths.append(path)
     return paths
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from ringray.dashboards.build import Dashboard, as_json
 from ringray.dashboards.build import dashboards as build_dashboards
-from ringray.dashboards.model import Dashboard
 
 
 class DashboardPushError(RuntimeError):
@@ -49,7 +49,7 @@ def push_dashboards(*, url: str, token: str, folder: str | None = None,
     folder_uid = _folder_uid(api, folder, url) if folder else None
     pushed = []
     for board in boards:
-        payload: dict = {"dashboard": board.to_json(), "overwrite": True,
+        payload: dict = {"dashboard": as_json(board), "overwrite": True,
                          "message": "ringray dashboards push"}
         if folder_uid is not None:
             payload["folderUid"] = folder_uid
