@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ringray-installed
 
-.PHONY: setup run test lint bench clean prometheus
+.PHONY: setup run test lint bench clean prometheus gpu-check
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -25,6 +25,12 @@ bench: $(STAMP)
 	$(VENV)/bin/ringray bench train
 
 ## ruff, and the import contracts of pyproject.toml (the layers, Ray only in ringray.cluster).
+## On a machine with a CUDA GPU: every gpu-marked test, the kernel and training benchmarks,
+## all figures in benchmarks/gpu-check-<gpu>.json (see benchmarks/gpu_check.py). Without a GPU
+## it is a dry run that says so.
+gpu-check: $(STAMP)
+	$(PY) benchmarks/gpu_check.py
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check ringray tests benchmarks examples
 	$(VENV)/bin/lint-imports --no-cache

@@ -13,6 +13,7 @@ from ringray.attention.backends import (
     auto_candidates,
     resolve_backend,
 )
+from ringray.attention.backends.common import position_mask
 from ringray.attention.backends.sdpa import CPU_CAUSAL_LEAF, causal_quadtree
 from ringray.attention.steps import PieceKind
 
@@ -149,20 +150,35 @@ def test_only_triton_offers_the_fused_ring_step():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_sdpa_cuda_kernels_match_float64(dtype):
-    """The CUDA flash (half) and memory-efficient (float32, masked) paths."""
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("q_len", "k_len"), [(256, 256), (200, 136)])
+def test_sdpa_cuda_kernels_match_float64(dtype, q_len, k_len):
+    """The CUDA flash (half) and memory-efficient (float32, masked) paths, with lengths that
+    are not multiples of the efficient kernel's bias (16) and LSE (32) alignment, and a masked
+    piece with documents."""
     backend = BACKENDS["sdpa"]()
-    pos = torch.arange(256)
-    for kind in (PieceKind.FULL, PieceKind.CAUSAL, PieceKind.MASKED):
-        q, k, v, dout = (t.cuda() for t in inputs(256, 256, hq=8, hkv=2, d=64, dtype=dtype))
-        q_pos = pos.flip(0) if kind is PieceKind.MASKED else pos
-        extra = {"q_pos": q_pos, "k_pos": pos} if kind is PieceKind.MASKED else {}
+    q_all, k_all = torch.arange(q_len), torch.arange(k_len)
+    kinds = [PieceKind.FULL, PieceKind.MASKED, "documents"]
+    if q_len == k_len:  # the ring's causal pieces are squares
+        kinds.append(PieceKind.CAUSAL)
+    for kind in kinds:
+        q, k, v, dout = (t.cuda() for t in inputs(q_len, k_len, hq=8, hkv=2, d=64, dtype=dtype))
+        extra = {}
+        if kind == "documents":
+            kind = PieceKind.MASKED
+            q_doc, k_doc = q_all * 3 // q_len, k_all * 3 // k_len
+            extra = {"q_pos": q_all + k_len, "k_pos": k_all, "q_doc": q_doc, "k_doc": k_doc}
+        elif kind is PieceKind.MASKED:
+            extra = {"q_pos": q_all.flip(0) + k_len // 2, "k_pos": k_all}
+        allowed = (position_mask(extra["q_pos"], extra["k_pos"], torch.device("cpu"),
+                                 q_doc=extra.get("q_doc"), k_doc=extra.get("k_doc"))
+                   if extra else allowed_for(kind, q_all, k_all))
         out, lse = backend.forward(q, k, v, kind=kind, scale=0.125, **extra)
-        want = math64(q.cpu(), k.cpu(), v.cpu(), dout.cpu(), allowed_for(kind, q_pos, pos), 0.125)
-        tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+        want = math64(q.cpu(), k.cpu(), v.cpu(), dout.cpu(), allowed, 0.125)
+        tol = 2e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-4
+        seen = want[1] > float("-inf")
         torch.testing.assert_close(out.double().cpu(), want[0], atol=tol, rtol=tol)
-        torch.testing.assert_close(lse.double().cpu(), want[1], atol=tol, rtol=tol)
+        torch.testing.assert_close(lse.double().cpu()[seen], want[1][seen], atol=tol, rtol=tol)
         grads = backend.backward(dout, q, k, v, want[0].to(dtype).cuda(), want[1].float().cuda(),
                                  kind=kind, scale=0.125, **extra)
         for got, ref in zip(grads, want[2:], strict=True):

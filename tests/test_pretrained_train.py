@@ -177,3 +177,46 @@ def test_a_broken_pretrained_checkpoint_is_one_line_and_starts_nothing(
     assert lines[0].startswith("error: ") and "Traceback" not in result.stderr
     assert message in lines[0]
     assert not (tmp_path / "run" / "steps.jsonl").exists()
+
+
+def test_an_exported_preset_model_can_be_trained_from_again(tmp_path: Path) -> None:
+    """A preset (byte tokenizer) trained and exported: the export holds a tokenizer.json
+    that encodes to the same ids, so a job can start from it with model.from_pretrained (the
+    context-extension recipe: train short, export, extend)."""
+    from ringray.data import ByteTokenizer, HFTokenizer
+    from ringray.model import load_pretrained
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    spec = {"name": "preset", "run_dir": str(run_dir),
+            "model": {"preset": "debug", "dim": 64, "n_layers": 2, "ffn_hidden": 128},
+            "data": {"source": "passkey"}, "parallel": {"dp": 1, "cp": 1},
+            "train": {"steps": 2, "global_batch": 2, "seq_len": 256, "precision": "fp32",
+                      "peak_tflops_per_device": 1.0},
+            "eval": {"passkey_lengths": []}}
+    (run_dir / "job.yaml").write_text(yaml.safe_dump(spec))
+    trained = subprocess.run([str(BIN / "python"), "-m", "ringray.train", "--config",
+                              str(run_dir / "job.yaml")], cwd=ROOT, capture_output=True,
+                             text=True, timeout=300)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    out = tmp_path / "exported"
+    result = CliRunner().invoke(app, ["export", str(run_dir), "--hf", str(out)])
+    assert result.exit_code == 0, result.output
+
+    text = "The pass key is 48213. Remember it, héhé."
+    assert HFTokenizer.from_pretrained(out).encode(text) == ByteTokenizer().encode(text)
+    config = json.loads((out / "config.json").read_text())
+    assert config["eos_token_id"] == ByteTokenizer().eos_id
+    extend = {**spec, "name": "extend", "run_dir": str(tmp_path / "extend"),
+              "model": {"from_pretrained": str(out), "rope": {"theta": 160_000.0}}}
+    (tmp_path / "extend.yaml").write_text(yaml.safe_dump(extend))
+    options = load_job_spec(tmp_path / "extend.yaml").train_options()  # checks the export
+    assert options.model.rope_theta == 160_000.0 and options.pretrained == str(out)
+    model = load_pretrained(out)
+    reference = Transformer(load_job_spec(run_dir / "job.yaml",
+                                          check_paths=False).train_options().model)
+    store = CheckpointStore(str(run_dir / "checkpoints"))
+    store.load(store.latest(), {"model": reference.state_dict()})
+    tokens = torch.randint(0, 259, (1, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), reference(tokens), atol=1e-6, rtol=1e-6)

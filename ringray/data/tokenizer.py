@@ -70,6 +70,26 @@ class Tokenizer(Protocol):
 BYTE_VOCAB = 256
 """Number of byte ids; ids below this are raw UTF-8 bytes."""
 
+_BYTE_SPECIALS = {"bos": "<|begin_of_text|>", "eos": "<|end_of_text|>", "pad": "<|pad|>"}
+"""The byte tokenizer's specials (ids 256, 257, 258) as :meth:`ByteTokenizer.save_hf` names
+them."""
+
+
+def _byte_characters() -> list[str]:
+    """The printable character that byte-level BPE (GPT-2's convention, which the
+    ``tokenizers`` ByteLevel pre-tokenizer uses) writes for each byte value 0..255: printable
+    Latin-1 bytes stand for themselves, the others are shifted past 255 in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    chars, shifted = [], 0
+    for byte in range(BYTE_VOCAB):
+        if byte in keep:
+            chars.append(chr(byte))
+        else:
+            chars.append(chr(BYTE_VOCAB + shifted))
+            shifted += 1
+    return chars
+
 
 @dataclass(frozen=True)
 class ByteTokenizer:
@@ -101,6 +121,27 @@ class ByteTokenizer:
     def encode_bytes(self, data: bytes) -> list[int]:
         """Token ids of raw bytes: one id per byte, so ``len`` is preserved."""
         return list(data)
+
+    def save_hf(self, directory: str) -> None:
+        """Write this tokenizer as a Hugging Face ``tokenizer.json`` (+ tokenizer_config.json)
+        that encodes every text to the same ids, so a model trained on bytes and exported
+        (``ringray export``) can be read back with ``model.from_pretrained``: a byte-level BPE
+        without merges whose vocabulary maps each byte's GPT-2 character to the byte's value,
+        then the specials at 256, 257, 258."""
+        vocab = {char: byte for byte, char in enumerate(_byte_characters())}
+        tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
+        tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(
+            add_prefix_space=False, use_regex=False)
+        tokenizer.decoder = tokenizers.decoders.ByteLevel()
+        specials = [_BYTE_SPECIALS[name] for name in ("bos", "eos", "pad")]
+        tokenizer.add_special_tokens(specials)
+        fs, root = fsspec.core.url_to_fs(directory)
+        root = root.rstrip("/")
+        fs.makedirs(root, exist_ok=True)
+        fs.pipe(f"{root}/tokenizer.json", tokenizer.to_str().encode())
+        config = {f"{name}_token": token for name, token in _BYTE_SPECIALS.items()}
+        config["model_max_length"] = 1 << 24
+        fs.pipe(f"{root}/tokenizer_config.json", json.dumps(config, indent=2).encode())
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of ``ids``: special and unused ids are dropped, invalid UTF-8 is replaced.

@@ -7,14 +7,17 @@ The weights are read from the DCP checkpoint into a model in this one process, w
 degrees that wrote it (replicated, or sharded by FSDP: DCP reshards on load), and written with
 :func:`ringray.model.save_pretrained`: config.json, safetensors, and, for a model that started
 from a pretrained checkpoint, that checkpoint's tokenizer and the config keys ringray does
-not model. ``max_position_embeddings`` is set to the length the run trained at (or the
-source's, if longer).
+not model; for a preset, the byte tokenizer as a ``tokenizer.json`` that encodes to the
+same ids (so ``model.from_pretrained`` can continue from the export).
+``max_position_embeddings`` is set to the length the run trained at (or the source's, if
+longer).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ringray.data import ByteTokenizer
 from ringray.model import Transformer, read_model_config, save_pretrained
 from ringray.train.checkpoint import CheckpointError, CheckpointRef, CheckpointStore
 from ringray.train.options import TrainOptions
@@ -58,8 +61,15 @@ def export_hf(options: TrainOptions, out_dir: str, *, step: int | None = None,
     if options.pretrained is not None:
         source_positions = read_model_config_positions(options.pretrained)
         positions = max(positions, source_positions or 0)
+    overrides = {"max_position_embeddings": positions}
+    if options.pretrained is None:  # a preset: its tokenizer is the byte one
+        tokenizer = ByteTokenizer()
+        overrides.update(bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id,
+                         pad_token_id=tokenizer.pad_id)
     save_pretrained(model, out_dir, source=options.pretrained, dtype=dtype,
-                    config_overrides={"max_position_embeddings": positions})
+                    config_overrides=overrides)
+    if options.pretrained is None:
+        ByteTokenizer().save_hf(out_dir)
     return ref
 
 

@@ -7,8 +7,9 @@ inputs run in float32 on CPU: the CPU kernel has no faster half path (measured: 
 fp32 take the same time), and float32 per-block partials keep the ring's merge exact.
 
 On CUDA it calls the flash kernel for float16/bfloat16 full and causal pieces, and the
-memory-efficient kernel (which takes a bias and float32) otherwise. The CUDA path needs a
-GPU to be exercised; its tests are marked ``gpu``.
+memory-efficient kernel (which takes a bias and float32) otherwise, with the bias and the LSE
+laid out as public SDPA lays them out (expanded, rows padded to 16; LSE padded to 32). The
+CUDA path needs a GPU to be exercised; its tests are marked ``gpu``.
 
 Causal squares on CPU are cut into a quadtree (two causal halves and one full block,
 recursively, down to :data:`CPU_CAUSAL_LEAF` rows). The CPU kernel tiles 256 queries by 512
@@ -173,13 +174,45 @@ def _use_flash(q: torch.Tensor, allowed: torch.Tensor | None) -> bool:
     return q.dtype in _HALF and allowed is None
 
 
+# The memory-efficient kernel reads its bias with 16-element aligned rows and returns its LSE
+# padded to a multiple of 32 queries; public SDPA prepares both (torch's sdpa_utils), and so
+# must a direct call, or it fails ("misaligned address") or reads the wrong stride.
+_BIAS_ALIGN = 16
+_LSE_ALIGN = 32
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _cuda_bias(allowed: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor
+               ) -> torch.Tensor | None:
+    """The additive mask as the efficient kernel wants it: ``(batch, heads, q, k)`` (expanded,
+    no copy) over storage whose rows are padded to 16 elements, as public SDPA passes it."""
+    if allowed is None:
+        return None
+    q_len, k_len = allowed.shape
+    padded = torch.full((q_len, _round_up(k_len, _BIAS_ALIGN)), float("-inf"), dtype=q.dtype,
+                        device=q.device)
+    padded[:, :k_len].masked_fill_(allowed, 0.0)
+    return padded[:, :k_len].expand(q.shape[0], q.shape[1], q_len, k_len)
+
+
+def _padded_lse(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` ``(batch, heads, q)`` laid out as the efficient kernel returned it (padded to 32
+    queries), for its backward."""
+    q_len = lse.shape[-1]
+    pad = _round_up(q_len, _LSE_ALIGN) - q_len
+    return torch.nn.functional.pad(lse.float(), (0, pad)) if pad else lse.float().contiguous()
+
+
 def _cuda_forward(q, k, v, kind, scale, allowed):
     causal = kind is PieceKind.CAUSAL
     if _use_flash(q, allowed):
         result = _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
         return result[0], result[1]
     out, lse, _, _ = _aten._scaled_dot_product_efficient_attention(
-        q, k, v, _additive_mask(allowed, q.dtype), True, 0.0, causal, scale=scale
+        q, k, v, _cuda_bias(allowed, q, k), True, 0.0, causal, scale=scale
     )
     return out, lse[..., : q.shape[2]]  # the efficient kernel pads lse to a multiple of 32
 
@@ -195,9 +228,10 @@ def _cuda_backward(dout, q, k, v, out, lse, kind, scale, allowed):
             dout, q, k, v, out, lse, empty_cum, empty_cum, q.shape[2], k.shape[2],
             0.0, causal, no_rng, no_rng, scale=scale,
         )
-    bias = _additive_mask(allowed, q.dtype)
+    bias = _cuda_bias(allowed, q, k)
     grads = _aten._scaled_dot_product_efficient_attention_backward(
         dout, q, k, v, bias if bias is not None else torch.empty(0, device=q.device),
-        out, lse, no_rng, no_rng, 0.0, [True, True, True, False], causal, scale=scale,
+        out, _padded_lse(lse), no_rng, no_rng, 0.0, [True, True, True, False], causal,
+        scale=scale,
     )
     return grads[0], grads[1], grads[2]
