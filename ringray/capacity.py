@@ -6,24 +6,12 @@
     print(report.format())                           # report.to_dict() for --json
     report.fits                                      # the verdict
 
-Pure arithmetic over a job's training options (no devices, no tensors). The accounting
-follows what this project's trainer (:mod:`ringray.train.trainer`) actually allocates, term
-by term:
+Pure arithmetic over a job's training options (no devices, no tensors):
 
-- **Weights, gradients, optimizer.** The trainer keeps float32 weights and float32 gradients,
-  and ``torch.optim.AdamW`` two float32 moments: 4 + 4 + 8 bytes per parameter. With bf16
-  (``precision: bf16``, or ``auto`` on a GPU) it autocasts: every weight matrix that a
-  matmul uses gets a bf16 copy, cached by autocast and saved for the backward, so +2 bytes
-  per matmul parameter. Nothing is sharded: weights and optimizer state are replicated over
-  DP and CP, so no cp degree makes them smaller.
-- **Step transients.** After the backward (when the activations are freed) the gradient
-  all-reduce packs every gradient into one flat float32 buffer, and AdamW's foreach update
-  allocates a float32 temporary of the same size: 4 bytes per parameter, counted against
-  the activations (the larger of the two is the peak), not on top of them.
-- **Activations**: :func:`layer_activation_bytes_per_token` and
-  :func:`head_activation_bytes_per_token` (the formula, and where each term comes from).
-- **Ring buffers**: :func:`ring_buffer_bytes_per_token` (counted from
-  :mod:`ringray.attention.ring`).
+- **Memory**: what one rank of this project's trainer holds, term by term, is
+  :mod:`ringray.train.footprint` (weights, gradients and AdamW state, replicated or sharded
+  by FSDP; activations per checkpointing mode; ring buffers; FSDP's gathered blocks; the
+  peak over the step); :func:`memory_breakdown` puts it against a device.
 - **Overlap**: :func:`overlap_threshold_tokens` (the ``c >= F/B`` rule, derived there).
 
 A planning margin (:data:`MEMORY_RESERVE_RATIO` of device memory) is kept for the CUDA
@@ -49,6 +37,17 @@ from ringray.attention.layouts import seq_len_divisor
 from ringray.model import ModelConfig
 from ringray.model.rope import describe_rope
 from ringray.train import TrainOptions
+from ringray.train.footprint import (  # noqa: F401 - the formulas, re-exported for callers
+    Footprint,
+    activation_bytes_per_token,
+    gathered_bytes,
+    head_activation_bytes_per_token,
+    kept_activation_bytes_per_token,
+    layer_activation_bytes_per_token,
+    rank_footprint,
+    recompute_bytes_per_token,
+    ring_buffer_bytes_per_token,
+)
 
 MEMORY_RESERVE_RATIO = 0.10
 """Share of device memory left for what the accounting does not count (see module doc)."""
@@ -65,8 +64,14 @@ class PlanInputs:
     dp: int
     cp: int
     layout: str
-    bf16: bool  # bf16 autocast over float32 weights (the trainer's GPU default); else fp32
-    activation_checkpointing: bool
+    bf16: bool  # bf16 compute (autocast, or FSDP's bf16 gathered weights); else fp32
+    activation_checkpointing: str  # "none" | "full" | "selective"
+    fsdp: bool = False  # weights, gradients and AdamW state sharded over dp x cp
+
+    def shards(self, cp: int | None = None) -> int:
+        """How many ways the weights are split: dp × cp with FSDP (at ring size ``cp``,
+        default the job's), else 1. FSDP over one device shards nothing."""
+        return self.dp * (cp or self.cp) if self.fsdp else 1
 
     @property
     def local_batch(self) -> int:
@@ -103,89 +108,11 @@ class PlanInputs:
             global_batch=train.global_batch, dp=dp, cp=cp, layout=options.parallel.layout,
             bf16=train.precision != "fp32",
             activation_checkpointing=train.activation_checkpointing,
+            fsdp=options.parallel.fsdp,
         )
 
 
 # ------------------------------------------------------------------------------ formulas
-
-
-def layer_activation_bytes_per_token(cfg: ModelConfig, *, bf16: bool) -> int:
-    """Bytes one decoder block saves for its backward, per token (``d`` = dim, ``h``/``k`` =
-    query/kv heads, ``e`` = head_dim, ``f`` = ffn_hidden, ``a`` = 2 with bf16 autocast, 4 in
-    fp32). The residual stream is float32 (float32 weights; bf16 outputs add into it)::
-
-        norms      2 x (4d + 4d + 4)   each RMSNorm saves its float32 input, its normalised
-                                       output (for the gain's gradient) and 1/rms per token
-        q/k/v in   3ad (bf16) | 4d     autocast casts the norm output once per projection
-                                       and each matmul saves its own bf16 copy; in fp32 the
-                                       three share one tensor
-        w1/w3 in   2ad (bf16) | 4d     the same for the two SwiGLU input projections
-        attention  2ahe + 4h + 2ake    ring attention saves q and its output (the o
-                                       projection's input is that same tensor), the float32
-                                       LSE per query head, and the last K/V block it held
-        SwiGLU     4af                 w1 out (SiLU's input), SiLU out, w3 out, and their
-                                       product (w2's input)
-
-    Rotary embeddings save only the shared cos/sin tables (the head's term): a product with
-    a constant keeps the constant, not the activation. ``tests/test_job_plan.py`` checks
-    this count against the tensors autograd actually saves.
-    """
-    d, h, k, e, f = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden
-    a = 2 if bf16 else 4
-    norms = 2 * (4 * d + 4 * d + 4)
-    projection_inputs = (3 * a * d + 2 * a * d) if bf16 else (4 * d + 4 * d)
-    attention = 2 * a * h * e + 4 * h + 2 * a * k * e
-    swiglu = 4 * a * f
-    return norms + projection_inputs + attention + swiglu
-
-
-def head_activation_bytes_per_token(cfg: ModelConfig, *, bf16: bool) -> int:
-    """Bytes outside the blocks, per token::
-
-        final norm   4d + 4d + 4        as in a block
-        output in    ad                 the output projection's (bf16) input
-        logits       aV + 4V            the logits the training step holds, and the float32
-                                        log-softmax the cross-entropy saves
-        rotary       8e                 float32 cos and sin tables, shared by every layer
-        tokens       16                 int64 inputs (embedding) and labels (loss)
-    """
-    d, e, v = cfg.dim, cfg.head_dim, cfg.vocab_size
-    a = 2 if bf16 else 4
-    return (4 * d + 4 * d + 4) + a * d + (a * v + 4 * v) + 8 * e + 16
-
-
-def activation_bytes_per_token(cfg: ModelConfig, *, bf16: bool, checkpointing: bool) -> int:
-    """Saved activations per local token over the whole model. With activation
-    checkpointing each block keeps only its float32 input (4d) and one block at a time is
-    recomputed with all its activations during the backward."""
-    layer = layer_activation_bytes_per_token(cfg, bf16=bf16)
-    head = head_activation_bytes_per_token(cfg, bf16=bf16)
-    if checkpointing:
-        return cfg.n_layers * 4 * cfg.dim + layer + head
-    return cfg.n_layers * layer + head
-
-
-def ring_buffer_bytes_per_token(cfg: ModelConfig, *, cp: int, bf16: bool) -> int:
-    """Buffers one ring-attention call allocates beyond what it saves, per local token
-    (only one layer's ring runs at a time), counted from :mod:`ringray.attention.ring`;
-    a K/V block is ``2ke`` elements per token::
-
-        forward   kv_incoming (a)                 + out accumulator (float32, 4he)
-        backward  kv_spare x 2 (a)                + dkv_partial, dkv_done, dkv_incoming
-                                                    (float32 K/V gradient sums, x 3)
-                                                  + dq accumulator (float32, 4he)
-
-    The current block is the one saved by the forward (an activation). With cp = 1 there is
-    no incoming block, no spare and only ``dkv_partial``. The larger phase (the backward)
-    is the figure.
-    """
-    h, k, e = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    a = 2 if bf16 else 4
-    kv_block = 2 * k * e
-    ring = cp > 1
-    forward = (kv_block * a if ring else 0) + 4 * h * e
-    backward = (2 * kv_block * a if ring else 0) + (3 if ring else 1) * kv_block * 4 + 4 * h * e
-    return max(forward, backward)
 
 
 def overlap_threshold_tokens(
@@ -221,32 +148,14 @@ def overlap_threshold_tokens(
     return forward, backward
 
 
-def _matmul_params(cfg: ModelConfig) -> int:
-    """Parameters autocast casts to bf16: every linear layer (not norms, not the embedding)."""
-    attn = cfg.dim * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
-    return cfg.n_layers * (attn + 3 * cfg.dim * cfg.ffn_hidden) + cfg.vocab_size * cfg.dim
-
-
 # ------------------------------------------------------------------------------ the report
 
 
 @dataclass(frozen=True, kw_only=True)
-class MemoryBreakdown:
-    """Bytes per device. ``peak = weights + gradients + optimizer + max(activations +
-    ring_buffers, step_transient)``: the step transients come after the backward."""
+class MemoryBreakdown(Footprint):
+    """One device's :class:`~ringray.train.footprint.Footprint` and what it may use."""
 
-    weights_bytes: int
-    gradients_bytes: int
-    optimizer_bytes: int
-    activations_bytes: int
-    ring_buffers_bytes: int
-    step_transient_bytes: int
-    peak_bytes: int
     usable_bytes: int
-
-    @property
-    def static_bytes(self) -> int:
-        return self.weights_bytes + self.gradients_bytes + self.optimizer_bytes
 
     @property
     def fits(self) -> bool:
@@ -257,21 +166,12 @@ def memory_breakdown(inputs: PlanInputs, device: Accelerator, *, cp: int | None 
                      ) -> MemoryBreakdown:
     """Per-device memory of ``inputs`` on ``device`` (at ring size ``cp``, default the job's)."""
     cp = cp or inputs.cp
-    cfg, bf16 = inputs.model, inputs.bf16
-    params = cfg.num_params()
-    local_tokens = inputs.local_batch * (inputs.seq_len // cp)
-    weights = 4 * params + (2 * _matmul_params(cfg) if bf16 else 0)
-    activations = local_tokens * activation_bytes_per_token(
-        cfg, bf16=bf16, checkpointing=inputs.activation_checkpointing)
-    ring = local_tokens * ring_buffer_bytes_per_token(cfg, cp=cp, bf16=bf16)
-    transient = 4 * params
-    static = weights + 4 * params + 8 * params
-    return MemoryBreakdown(
-        weights_bytes=weights, gradients_bytes=4 * params, optimizer_bytes=8 * params,
-        activations_bytes=activations, ring_buffers_bytes=ring, step_transient_bytes=transient,
-        peak_bytes=static + max(activations + ring, transient),
-        usable_bytes=int(device.memory_bytes * (1 - MEMORY_RESERVE_RATIO)),
-    )
+    footprint = rank_footprint(
+        inputs.model, local_tokens=inputs.local_batch * (inputs.seq_len // cp), cp=cp,
+        shards=inputs.shards(cp), bf16=inputs.bf16,
+        checkpointing=inputs.activation_checkpointing)
+    return MemoryBreakdown(**asdict(footprint),
+                           usable_bytes=int(device.memory_bytes * (1 - MEMORY_RESERVE_RATIO)))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -378,8 +278,15 @@ class PlanReport:
         cfg, acc = i.model, c.accelerator
         params = cfg.num_params()
         size = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.2f}M"
-        precision = "bf16 autocast over fp32 weights" if i.bf16 else "fp32"
-        checkpointing = "on" if i.activation_checkpointing else "off"
+        shards = i.shards()
+        if shards > 1:
+            precision = (f"{'bf16 weights gathered from fp32' if i.bf16 else 'fp32'} shards "
+                         f"(FSDP over dp x cp = {shards})")
+        else:
+            precision = ("bf16 autocast over fp32 weights" if i.bf16 else "fp32") + \
+                ", replicated"
+        checkpointing = {"none": "none", "full": "full (each block, ring pass included)",
+                         "selective": "selective (all but the ring pass)"}
         if self.recommended_cp is None:
             recommended = f"no cp fits (layout {self.recommended_layout})"
         else:
@@ -391,7 +298,8 @@ class PlanReport:
             f"{cfg.n_heads}/{cfg.n_kv_heads}, ffn {cfg.ffn_hidden}",
             f"mesh: dp {i.dp} x cp {i.cp} ({i.layout}) = {self.devices_needed} devices; seq "
             f"{i.seq_len}; per device {i.local_batch} sequence(s) x {i.block_tokens} tokens",
-            f"precision: {precision}; activation checkpointing {checkpointing}",
+            f"precision: {precision}",
+            f"activation checkpointing: {checkpointing[i.activation_checkpointing]}",
             f"rope: {describe_rope(cfg.rope_theta, cfg.rope_scaling, cfg.head_dim)}",
             "",
             *self._memory_lines(),
@@ -406,14 +314,20 @@ class PlanReport:
 
     def _memory_lines(self) -> list[str]:
         m, acc, bf16 = self.memory, self.cluster.accelerator, self.inputs.bf16
+        shards = self.inputs.shards()
+        share = f", 1/{shards}" if shards > 1 else ""
+        copies = " + bf16 autocast copies" if bf16 and shards == 1 else ""
         rows = [
-            ("weights (fp32" + (" + bf16 autocast copies)" if bf16 else ")"), m.weights_bytes),
-            ("gradients (fp32)", m.gradients_bytes),
-            ("AdamW moments (fp32 x 2)", m.optimizer_bytes),
-            ("activations", m.activations_bytes),
+            (f"weights (fp32{copies}{share})", m.weights_bytes),
+            (f"gradients (fp32{share})", m.gradients_bytes),
+            (f"AdamW moments (fp32 x 2{share})", m.optimizer_bytes),
+            ("activations kept by the forward", m.kept_activations_bytes),
+            (f"recomputed at once ({self.inputs.activation_checkpointing} checkpointing)",
+             m.recompute_bytes),
             ("ring buffers (one layer, backward)", m.ring_buffers_bytes),
-            ("step transient (after backward; not added)", m.step_transient_bytes),
-            ("peak", m.peak_bytes),
+            *([("FSDP gathered weights and gradients", m.gathered_bytes)] if shards > 1 else []),
+            ("step transient (after backward)", m.step_transient_bytes),
+            (f"peak (at the {m.peak_moment})", m.peak_bytes),
             (f"usable ({acc.memory_bytes / GIB:g} GiB less {MEMORY_RESERVE_RATIO:.0%} reserve)",
              m.usable_bytes),
         ]
@@ -469,23 +383,19 @@ def plan(inputs: PlanInputs, cluster: ClusterShape) -> PlanReport:
         reasons.append(f"dp {inputs.dp} x cp {inputs.cp} = {devices_needed} devices, the "
                        f"cluster has {cluster.total_devices}")
     if memory.static_bytes > memory.usable_bytes:
+        where = (f"sharded over {inputs.shards()} devices" if inputs.shards() > 1 else
+                 "replicated on every device, so no cp helps")
         reasons.append(
             f"weights, gradients and AdamW state alone need {memory.static_bytes / GIB:.1f} GiB "
             f"per device, {(memory.static_bytes - memory.usable_bytes) / GIB:.1f} GiB over the "
-            f"{memory.usable_bytes / GIB:.1f} GiB usable; this trainer replicates them on every "
-            f"device (no sharding), so no cp helps")
+            f"{memory.usable_bytes / GIB:.1f} GiB usable ({where}){_remedies(inputs, cluster)}")
     elif not memory.fits:
         over = memory.peak_bytes - memory.usable_bytes
-        hint = ""
-        if not inputs.activation_checkpointing:
-            checkpointed = replace(inputs, activation_checkpointing=True)
-            peak = memory_breakdown(checkpointed, cluster.accelerator).peak_bytes
-            hint = f"; activation checkpointing would make the peak {peak / GIB:.1f} GiB"
         reasons.append(
             f"peak {memory.peak_bytes / GIB:.1f} GiB per device is {over / GIB:.1f} GiB over "
             f"the {memory.usable_bytes / GIB:.1f} GiB usable: activations take "
             f"{memory.activations_bytes / GIB:.1f} GiB at {inputs.block_tokens} tokens per rank"
-            f"{hint}")
+            f"{_remedies(inputs, cluster)}")
     layout = inputs.layout if inputs.layout in ("zigzag", "striped") else "zigzag"
     return PlanReport(
         inputs=inputs, cluster=cluster, memory=memory, overlap=overlap_check(inputs, cluster),
@@ -493,6 +403,24 @@ def plan(inputs: PlanInputs, cluster: ClusterShape) -> PlanReport:
         recommended_layout=layout, layout_note=_layout_note(inputs.layout, inputs.cp),
         fits=not reasons, reasons=tuple(reasons),
     )
+
+
+def _remedies(inputs: PlanInputs, cluster: ClusterShape) -> str:
+    """``; lower peaks: parallel.fsdp: true 51.2 GiB, + selective checkpointing 40.3 GiB``:
+    the peak with each setting that lowers it, cumulatively (FSDP when it is off, then
+    lighter activation checkpointing)."""
+    changes = []
+    if not inputs.fsdp and inputs.dp * inputs.cp > 1:
+        changes.append(("parallel.fsdp: true", {"fsdp": True}))
+    modes = ("none", "selective", "full")
+    for mode in modes[modes.index(inputs.activation_checkpointing) + 1:]:
+        changes.append((f"{mode} checkpointing", {"activation_checkpointing": mode}))
+    hints, applied = [], {}
+    for label, change in changes:
+        applied.update(change)
+        peak = memory_breakdown(replace(inputs, **applied), cluster.accelerator).peak_bytes
+        hints.append(f"{'+ ' if hints else ''}{label} {peak / GIB:.1f} GiB")
+    return f"; lower peaks: {', '.join(hints)}" if hints else ""
 
 
 def plan_job(options: TrainOptions, cluster: ClusterShape, *, name: str) -> PlanReport:

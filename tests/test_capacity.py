@@ -1,5 +1,7 @@
-"""`ringray plan` (ringray/plan.py): the memory and overlap formulas against hand arithmetic and
-against the tensors autograd really saves, the GPU job files' verdicts, and the command line.
+"""`ringray plan` (ringray/capacity.py): the memory and overlap formulas against hand arithmetic
+and against the tensors autograd really saves (and the allocator really holds), for every
+activation checkpointing mode, replicated and FSDP; the GPU job files' verdicts; the command
+line.
 
 (tests/test_plan.py is the attention step planner's, ringray/attention/plan.py.)
 """
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -22,7 +25,9 @@ from ringray.capacity import (
     PlanInputs,
     activation_bytes_per_token,
     custom_cluster,
+    gathered_bytes,
     head_activation_bytes_per_token,
+    kept_activation_bytes_per_token,
     layer_activation_bytes_per_token,
     memory_breakdown,
     overlap_threshold_tokens,
@@ -53,7 +58,7 @@ def small_inputs(**changes) -> PlanInputs:
         name="small", model=model_preset("debug", dim=256, n_layers=4, n_heads=8, n_kv_heads=2,
                                          ffn_hidden=512),
         seq_len=8192, global_batch=2, dp=1, cp=4, layout="zigzag", bf16=True,
-        activation_checkpointing=False,
+        activation_checkpointing="none",
     )
     return PlanInputs(**{**fields, **changes})
 
@@ -76,7 +81,11 @@ def test_hand_computed_small_case():
     Parameters: per layer 256*32*(16+4) + 3*256*512 + 2*256 = 557_568; x4 + 256 + 2*320*256
       = 2_394_368; matmul ones (bf16 copies) 4*(163_840 + 393_216) + 320*256 = 2_310_144.
       weights 4*2_394_368 + 2*2_310_144 = 14_197_760; grads 9_577_472; AdamW 19_154_944.
-    Peak = 42_930_176 + 217_268_224 + 12_582_912 = 272_781_312 B.
+    Peak, at the backward's start (every activation; of the gradients only the root's 164_096
+    and one block's 557_568 parameters', 4 B each: 2_886_656): 14_197_760 + 19_154_944 +
+    2_886_656 + 217_268_224 + 12_582_912 = 266_090_496 B. (At its end: all 9_577_472 B of
+    gradients, one block's 4096 x 12072 B of activations and the ring buffers, 71_607_296
+    B, less. Without checkpointing the backward's working set is the ring's buffers.)
     Overlap: F/B = 1e14 / 12.5e9 = 8000 FLOP/B; forward 8000 * k a / (2 r h) with r = 1/2:
       8000 * 4 / 8 = 4000 tokens; backward 8000 * k (a+4) / (5 r h) = 8000 * 12 / 20 = 4800.
       The block is 8192 / 4 = 2048 tokens < 4800: communication exposed.
@@ -85,7 +94,7 @@ def test_hand_computed_small_case():
     cfg = inputs.model
     assert layer_activation_bytes_per_token(cfg, bf16=True) == 12072
     assert head_activation_bytes_per_token(cfg, bf16=True) == 4756
-    assert activation_bytes_per_token(cfg, bf16=True, checkpointing=False) == 53044
+    assert activation_bytes_per_token(cfg, bf16=True, checkpointing="none") == 53044
     assert ring_buffer_bytes_per_token(cfg, cp=4, bf16=True) == 3072
     assert cfg.num_params() == 2_394_368
 
@@ -95,7 +104,10 @@ def test_hand_computed_small_case():
     assert memory.ring_buffers_bytes == 12_582_912
     assert (memory.weights_bytes, memory.gradients_bytes, memory.optimizer_bytes) == (
         14_197_760, 9_577_472, 19_154_944)
-    assert memory.peak_bytes == 272_781_312
+    assert memory.first_gradients_bytes == 2_886_656
+    assert memory.last_block_kept_bytes == 4096 * 12072
+    assert memory.backward_working_bytes == memory.ring_buffers_bytes  # nothing recomputed
+    assert memory.peak_bytes == 266_090_496 and memory.peak_moment == "backward start"
     assert memory.usable_bytes == int(16 * GIB * 0.9) and memory.fits
 
     forward, backward = overlap_threshold_tokens(
@@ -109,10 +121,60 @@ def test_hand_computed_small_case():
 
 
 def test_checkpointing_keeps_block_inputs_and_one_block():
-    """With activation checkpointing: 4 layers x 4d (float32 block inputs) + one full block +
-    the head = 4*1024 + 12072 + 4756 = 20924 bytes per token."""
+    """With full activation checkpointing: 4 layers x 4d (float32 block inputs) + one full
+    block + the head = 4*1024 + 12072 + 4756 = 20924 bytes per token."""
     cfg = small_inputs().model
-    assert activation_bytes_per_token(cfg, bf16=True, checkpointing=True) == 20924
+    assert activation_bytes_per_token(cfg, bf16=True, checkpointing="full") == 20924
+
+
+def test_selective_checkpointing_keeps_the_ring_tensors_and_recomputes_one_region():
+    """Selective: each block keeps its input (4d) and ring attention's q, output, LSE and K/V
+    block (1312, as in the hand-computed case); the backward recomputes the larger region
+    around the ring: before it, norm (2052) + q/k/v inputs (3*2*256) = 3588; after it, norm
+    (2052) + w1/w3 inputs (2*2*256) + SwiGLU (4096) = 7172. 4*(1024 + 1312) + 7172 + 4756
+    = 21272 bytes per token: between full (20924) and none (53044)."""
+    cfg = small_inputs().model
+    assert kept_activation_bytes_per_token(cfg, bf16=True, checkpointing="selective") == 14100
+    assert activation_bytes_per_token(cfg, bf16=True, checkpointing="selective") == 21272
+
+
+def test_backward_working_set_per_checkpointing_mode():
+    """What a block's backward adds to the kept activations (4096 local tokens, ring buffers
+    3072 B/token): none, the ring buffers; full, the larger of the whole recomputed block
+    (12072) and what stays of it through the ring's backward (before the ring 3588 + the
+    ring's saved 1312) plus the buffers: max(12072, 7972) = 12072; selective, whose two
+    regions are rebuilt before and after the ring's backward, not during it: max(7172,
+    3588, 3072) = 7172."""
+    device = ACCELERATORS["H100"]
+    working = {mode: memory_breakdown(small_inputs(activation_checkpointing=mode), device)
+               .backward_working_bytes for mode in ("none", "full", "selective")}
+    assert working == {"none": 4096 * 3072, "full": 4096 * 12072, "selective": 4096 * 7172}
+
+
+def test_fsdp_divides_the_static_memory_and_adds_gathered_blocks():
+    """The hand-computed case with FSDP over dp 1 x cp 4: the 2_394_368 parameters are
+    598_592 per device (weights and gradients 4 B each, AdamW 8 B; no autocast copies: FSDP
+    gathers bf16 weights), and the residual stream is bf16, so q/k/v and w1/w3 share one
+    bf16 input each (a*d = 512): layer 12072 - (1536 + 1024 - 1024) = 10536; 4 * 10536 + 4756
+    = 46900 B per token x 4096 tokens = 192_102_400. Gathered (w = 2): the root (two 320 x
+    256 tables and the final norm: 164_096) twice (weights, gradients), 656_384, plus one
+    block's 557_568 x (2*2 + max(2, 4)) = 4_460_544. Peak, at the backward's start (the
+    first gradients: 4 x 721_664 / 4 = 721_664): 2_394_368 + 4_788_736 + 721_664 +
+    192_102_400 + 12_582_912 + 5_116_928 = 217_707_008 B."""
+    inputs = small_inputs(fsdp=True)
+    cfg = inputs.model
+    assert layer_activation_bytes_per_token(cfg, bf16=True, bf16_weights=True) == 10536
+    assert gathered_bytes(cfg, bf16=True) == 5_116_928
+    memory = memory_breakdown(inputs, custom_cluster(tflops=100, link_gbps=100,
+                                                     memory_gib=16).accelerator)
+    assert (memory.weights_bytes, memory.gradients_bytes, memory.optimizer_bytes) == (
+        2_394_368, 2_394_368, 4_788_736)
+    assert memory.activations_bytes == 192_102_400
+    assert memory.gathered_bytes == 5_116_928
+    assert memory.peak_bytes == 217_707_008
+    # One device shards nothing: FSDP is then the replicated run (autocast, no gathering).
+    alone = memory_breakdown(small_inputs(fsdp=True, cp=1), ACCELERATORS["H100"])
+    assert alone == memory_breakdown(small_inputs(cp=1), ACCELERATORS["H100"])
 
 
 def test_multi_head_causal_threshold_is_twice_f_over_b():
@@ -160,49 +222,127 @@ def test_activation_formula_matches_what_autograd_saves(bf16):
     measured = (_saved_bytes_per_token(model, 2 * seq, bf16=bf16)
                 - _saved_bytes_per_token(model, seq, bf16=bf16)) / seq
     logits_held = (2 if bf16 else 4) * cfg.vocab_size
-    expected = activation_bytes_per_token(cfg, bf16=bf16, checkpointing=False) - logits_held
+    expected = activation_bytes_per_token(cfg, bf16=bf16, checkpointing="none") - logits_held
     assert measured == expected
 
 
+def _live_after_forward_bytes(model: Transformer, seq: int, *, autocast: bool) -> int:
+    """Bytes the CPU allocator holds after a forward and the trainer's loss over one sequence
+    of ``seq`` tokens, of what was allocated from the tokens on (parameters excluded): what
+    the forward leaves for the backward, whatever keeps it (autograd's saved tensors, the
+    checkpoints' inputs, the logits). From the profiler's running total of allocated bytes
+    (see ringray/bench/memory.py)."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    ring = RingContext(layout=make_layout("zigzag", 1, seq), backend="sdpa")
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        tokens, labels = torch.randint(0, 256, (1, seq)), torch.randint(0, 256, (1, seq))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits = model(tokens, ring)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.typed[0] == _EventType.Allocation:
+            events.append((node.start_time_ns, node.typed[1].alloc_size,
+                           node.typed[1].total_allocated))
+    events.sort()
+    (_, first_size, first_total), (_, _, last_total) = events[0], events[-1]
+    del loss
+    return last_total - (first_total - first_size)
+
+
+@pytest.mark.parametrize("mode", ["none", "full", "selective"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16-autocast", "bf16-weights"])
+def test_kept_activations_match_what_the_allocator_holds(mode, precision):
+    """What each checkpointing mode keeps from the forward to the backward, per token, equals
+    the bytes still allocated after the forward (two lengths, so the constant part cancels):
+    float32; bf16 autocast over float32 weights (the replicated GPU run); and bf16 weights
+    with no autocast (what FSDP's mixed precision computes with: a bf16 residual stream)."""
+    cfg = model_preset("debug", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=96)
+    torch.manual_seed(0)
+    model = Transformer(cfg, activation_checkpointing=mode)
+    if precision == "bf16-weights":
+        model = model.to(torch.bfloat16)
+    autocast = precision == "bf16-autocast"
+    seq = 256
+    measured = (_live_after_forward_bytes(model, 2 * seq, autocast=autocast)
+                - _live_after_forward_bytes(model, seq, autocast=autocast)) / seq
+    assert measured == kept_activation_bytes_per_token(
+        cfg, bf16=precision != "fp32", checkpointing=mode,
+        bf16_weights=precision == "bf16-weights")
+
+
 def test_1b_job_fits_one_h100_node():
-    """jobs/llama-1b-128k-h100.yaml on 1x8xH100: 8 sequences x 16384 tokens per GPU with
-    checkpointing: 16*4*2048 + 129160 (layer: 32776 + 20480 + 10368 + 65536) + 22932 (head)
-    = 283164 B/token x 131072 tokens = 34.57 GiB of activations. Overlap on NVLink (450 GB/s
-    one way): F/B = 989e12 / 450e9 = 2197.8; backward 2197.8 * 8 * 6 / (5 * 0.5 * 32) = 1318.7
-    -> 1319 tokens, far below the 16384-token block."""
+    """jobs/llama-1b-128k-h100.yaml on 1x8xH100 (FSDP, selective checkpointing): 8 sequences x
+    16384 tokens per GPU. With FSDP's bf16 weights the residual stream is bf16 and each
+    norm's bf16 output feeds its projections (a*d = 4096): before the ring 16388 + 4096 =
+    20484, the ring's 10368, after it 16388 + 4096 + 65536 = 86020 B/token. Kept: 16 x (2d
+    + 10368) = 231424, + the head's 22932; recomputed: 86020 -> 340376 B/token x 131072
+    tokens = 41.55 GiB. Overlap on NVLink (450 GB/s one way): F/B = 989e12 / 450e9 = 2197.8;
+    backward 2197.8 * 8 * 6 / (5 * 0.5 * 32) = 1318.7 -> 1319 tokens, far below the
+    16384-token block."""
     report = _plan(load_job_spec(JOB_1B), parse_cluster("1x8xH100"))
-    cfg = report.inputs.model
-    assert layer_activation_bytes_per_token(cfg, bf16=True) == 129160
+    cfg, inputs = report.inputs.model, report.inputs
+    assert (inputs.fsdp, inputs.activation_checkpointing, inputs.shards()) == (
+        True, "selective", 8)
+    assert layer_activation_bytes_per_token(cfg, bf16=True) == 129160  # replicated, autocast
+    assert layer_activation_bytes_per_token(cfg, bf16=True, bf16_weights=True) == 116872
     assert head_activation_bytes_per_token(cfg, bf16=True) == 22932
-    assert report.memory.activations_bytes == 283164 * 131072
-    assert report.memory.activations_bytes / GIB == pytest.approx(34.57, abs=0.005)
+    assert report.memory.activations_bytes == 340376 * 131072
+    assert report.memory.activations_bytes / GIB == pytest.approx(41.55, abs=0.005)
+    assert report.memory.weights_bytes == 4 * math.ceil(cfg.num_params() / 8)
     assert report.overlap.link == "NVLink"
     assert report.overlap.threshold_tokens == 1319
     assert math.ceil(report.overlap.forward_threshold_tokens) == 1099
     assert report.overlap.block_tokens == 16384 and report.overlap.hidden
-    assert report.fits and report.verdict.startswith("fits: 53.9 GiB of 72.0 GiB")
-    # cp 4 would hold twice the activations (69 GiB) and does not fit: 8 is the smallest.
+    assert report.fits and report.verdict.startswith("fits: 43.4 GiB of 72.0 GiB")
+    # cp 4 would hold twice the activations (83 GiB) and does not fit: 8 is the smallest.
     assert not memory_breakdown(report.inputs, ACCELERATORS["H100"], cp=4).fits
     assert report.recommended_cp == 8 and report.recommended_layout == "zigzag"
+    # The job as it was (replicated, full checkpointing): 47.5 GiB.
+    replicated = plan(replace(inputs, fsdp=False, activation_checkpointing="full"),
+                      parse_cluster("1x8xH100"))
+    assert replicated.verdict.startswith("fits: 47.5 GiB of 72.0 GiB")
 
 
-def test_8b_job_does_not_fit_replicated_weights():
+def test_8b_job_fits_with_fsdp_and_selective_checkpointing():
     """jobs/llama-8b-1m-64xh100.yaml on 8x8xH100: the ring of 32 spans 4 nodes, so its step
     waits on InfiniBand (50 GB/s): F/B = 19780, backward threshold 19780 * 0.6 = 11868 tokens
-    < the 32768-token block (hidden). But the trainer replicates fp32 weights (4 B), their
-    bf16 copies (2 B per matmul parameter), gradients (4 B) and AdamW (8 B) on every GPU:
-    about 117 GiB for 6.98B parameters, over the 72 GiB usable whatever cp is."""
+    < the 32768-token block (hidden). Replicated, fp32 weights (4 B), their bf16 copies (2 B
+    per matmul parameter), gradients (4 B) and AdamW (8 B) would need 117 GiB per GPU
+    whatever cp is. FSDP over the 64 GPUs makes that 16 B x 6.98B / 64 = 1.63 GiB; selective
+    checkpointing keeps 32 x (2d + 20608) + 43924 = 965524 B/token and recomputes 155652:
+    1121176 B/token x 32768 tokens = 34.22 GiB, whose recomputed region (4.75 GiB) is rebuilt
+    apart from the ring's 1.50 GiB of buffers; the gathered bf16 weights and gradients of
+    the root and about two blocks 1.63 GiB -> 37.1 GiB of 72.0."""
     report = _plan(load_job_spec(JOB_8B), parse_cluster("8x8xH100"))
-    params = report.inputs.model.num_params()
+    inputs, cfg = report.inputs, report.inputs.model
+    assert (inputs.fsdp, inputs.activation_checkpointing, inputs.shards()) == (
+        True, "selective", 64)
     assert report.overlap.link == "InfiniBand"
     assert report.overlap.threshold_tokens == 11868 and report.overlap.hidden
-    assert report.memory.static_bytes > report.memory.usable_bytes
-    assert report.memory.static_bytes / GIB == pytest.approx(117.0, abs=0.05)
-    assert report.memory.static_bytes >= 16 * params
+    local = math.ceil(cfg.num_params() / 64)
+    assert report.memory.static_bytes == 16 * local
+    assert report.memory.static_bytes / GIB == pytest.approx(1.63, abs=0.005)
+    assert report.memory.activations_bytes == 32768 * 1121176
     assert report.memory.activations_bytes == 32768 * activation_bytes_per_token(
-        report.inputs.model, bf16=True, checkpointing=True)
-    assert not report.fits and report.recommended_cp is None
-    assert "no sharding" in report.verdict and "45.0 GiB over" in report.verdict
+        cfg, bf16=True, checkpointing="selective", bf16_weights=True)
+    assert report.fits and report.verdict == "fits: 37.1 GiB of 72.0 GiB usable per device"
+    assert report.recommended_cp == 32
+
+    replicated = plan(replace(inputs, fsdp=False, activation_checkpointing="full"),
+                      parse_cluster("8x8xH100"))
+    assert replicated.memory.static_bytes / GIB == pytest.approx(117.0, abs=0.05)
+    assert replicated.memory.static_bytes >= 16 * cfg.num_params()
+    assert not replicated.fits and replicated.recommended_cp is None
+    assert "45.0 GiB over" in replicated.verdict and "so no cp helps" in replicated.verdict
+    assert replicated.verdict.endswith("; lower peaks: parallel.fsdp: true 18.8 GiB")
+    unsharded = plan(replace(inputs, fsdp=False), parse_cluster("8x8xH100"))  # selective
+    assert unsharded.verdict.endswith(
+        "; lower peaks: parallel.fsdp: true 37.1 GiB, + full checkpointing 18.8 GiB")
 
 
 def test_cluster_size_and_inferred_cp():
@@ -234,7 +374,8 @@ def test_plan_json_matches_the_report():
     report = _plan(load_job_spec(JOB_1B), parse_cluster("1x8xH100"))
     assert data == json.loads(json.dumps(report.to_dict()))
     assert data["fits"] is True and data["overlap"]["threshold_tokens"] == 1319
-    assert data["memory"]["activations_bytes"] == 283164 * 131072
+    assert data["memory"]["activations_bytes"] == 340376 * 131072
+    assert data["job"]["fsdp"] is True and data["memory"]["gathered_bytes"] > 0
 
 
 def test_plan_text_and_exit_code_one_when_it_does_not_fit():
@@ -245,8 +386,11 @@ def test_plan_text_and_exit_code_one_when_it_does_not_fit():
     ])
     assert result.exit_code == 1, result.output
     assert "verdict: does not fit" in result.stdout and "Traceback" not in result.output
-    result = CliRunner().invoke(app, ["plan", JOB_8B, "--cluster", "8x8xH100"])
+    result = CliRunner().invoke(app, ["plan", JOB_8B, "--cluster", "8x8xH100",
+                                      "--set", "parallel.fsdp=false"])
     assert result.exit_code == 1 and "recommended: no cp fits" in result.stdout
+    result = CliRunner().invoke(app, ["plan", JOB_8B, "--cluster", "8x8xH100"])
+    assert result.exit_code == 0 and "verdict: fits: 37.1 GiB" in result.stdout
     result = CliRunner().invoke(app, ["plan", JOB_1B, "--cluster", "1x8xH100"])
     assert result.exit_code == 0 and "verdict: fits" in result.stdout
 

@@ -221,7 +221,7 @@ def test_train_options_maps_every_field() -> None:
         "parallel": {"dp": 2, "cp": 2, "layout": "striped", "attention_backend": "reference"},
         "train": {
             "steps": 9, "global_batch": 6, "seq_len": 128, "seed": 5, "precision": "bf16",
-            "activation_checkpointing": True, "peak_tflops_per_device": 312,
+            "activation_checkpointing": "full", "peak_tflops_per_device": 312,
             "optimizer": {"lr": 0.01, "min_lr_ratio": 0.2, "warmup_steps": 3,
                           "weight_decay": 0.0, "beta1": 0.8, "beta2": 0.9, "eps": 1e-6,
                           "grad_clip": 0.5},
@@ -235,7 +235,7 @@ def test_train_options_maps_every_field() -> None:
         parallel=ParallelOptions(dp=2, cp=2, layout="striped", attention_backend="reference"),
         train=TrainingOptions(
             steps=9, global_batch=6, seq_len=128, seed=5, precision="bf16",
-            activation_checkpointing=True, peak_tflops_per_device=312,
+            activation_checkpointing="full", peak_tflops_per_device=312,
             optimizer=OptimizerOptions(lr=0.01, min_lr_ratio=0.2, warmup_steps=3,
                                        weight_decay=0.0, beta1=0.8, beta2=0.9, eps=1e-6,
                                        grad_clip=0.5),

@@ -46,3 +46,24 @@ def test_refuses_options_that_cannot_work(tmp_path: Path, overrides: dict, messa
     with pytest.raises(ValueError) as info:
         Trainer(changed(options, **overrides))
     assert message in str(info.value)
+
+
+def test_fsdp_and_checkpointing_in_one_process(tmp_path: Path) -> None:
+    """With one rank there is nothing to shard: ``parallel.fsdp`` trains exactly as the
+    replicated run; and the three activation checkpointing modes give the same losses
+    (float32: the recompute repeats the same arithmetic)."""
+    def losses(**sections: dict) -> list[float]:
+        trainer = Trainer(tiny_options(str(tmp_path), **sections))
+        assert not trainer.sharded
+        return [trainer.step().loss for _ in range(2)]
+
+    want = losses()
+    assert losses(parallel={"fsdp": True}) == want
+    for mode in ("full", "selective"):
+        assert losses(train={"activation_checkpointing": mode}) == pytest.approx(want, abs=1e-6)
+
+
+def test_old_boolean_checkpointing_is_refused_naming_the_new_values(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="activation_checkpointing: true is no longer a value; "
+                                         "write 'full' for true"):
+        tiny_options(str(tmp_path), train={"activation_checkpointing": True})

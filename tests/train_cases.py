@@ -18,6 +18,7 @@ from ringray.train import (
     TrainOptions,
     run_training,
 )
+from ringray.train.sharding import full_tensor
 
 TINY_MODEL = model_preset("debug", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128)
 
@@ -50,21 +51,28 @@ def changed(options: TrainOptions, **sections: dict) -> TrainOptions:
 
 
 def snapshot(trainer: Trainer) -> dict[str, torch.Tensor]:
-    return {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    """The full weights (gathered from every rank's shard under FSDP: collective then)."""
+    return {name: full_tensor(p.detach()).clone()
+            for name, p in trainer.model.named_parameters()}
 
 
 def gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
-    return {name: p.grad.detach().clone() for name, p in trainer.model.named_parameters()}
+    """The full summed (and clipped) gradients, gathered like :func:`snapshot`."""
+    return {name: full_tensor(p.grad.detach()).clone()
+            for name, p in trainer.model.named_parameters()}
 
 
 def record_steps(options: TrainOptions, steps: int) -> dict:
-    """Losses and (all-reduced, clipped) gradients of each step, and the final weights."""
+    """Losses, gradient norms (before clipping) and summed, clipped gradients of each step,
+    and the final weights."""
     trainer = Trainer(options)
-    losses, grads = [], []
+    losses, norms, grads = [], [], []
     for _ in range(steps):
-        losses.append(trainer.step().loss)
+        stats = trainer.step()
+        losses.append(stats.loss)
+        norms.append(stats.grad_norm)
         grads.append(gradients(trainer))
-    return {"losses": losses, "grads": grads, "weights": snapshot(trainer)}
+    return {"losses": losses, "grad_norms": norms, "grads": grads, "weights": snapshot(trainer)}
 
 
 def rank_record_steps(rank: int, world: int, runs: list[TrainOptions], steps: int) -> list[dict]:

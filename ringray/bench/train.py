@@ -114,7 +114,7 @@ def run_gpu_bench(
         model=model_preset(preset),
         parallel=ParallelOptions(dp=1, cp=1),
         train=TrainingOptions(seq_len=seq_len, global_batch=1, steps=warmup + steps,
-                              precision="bf16", activation_checkpointing=True),
+                              precision="bf16", activation_checkpointing="full"),
         checkpoint=CheckpointOptions(resume=False),
         run_dir="runs/bench-gpu",
     )

@@ -1,11 +1,11 @@
-"""``ringray bench ring | train | kernel``: thin commands over :mod:`ringray.bench`."""
+"""``ringray bench ring | train | kernel | memory``: thin commands over :mod:`ringray.bench`."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import typer
 from rich.console import Console
@@ -215,6 +215,85 @@ def bench_kernel(
     if not all(r.passed for r in report["smoke"]):
         err.print("[bold red]error:[/] the correctness smoke failed", highlight=False)
         raise typer.Exit(code=1)
+
+
+@app.command("memory")
+def bench_memory(
+    config: str = typer.Option("jobs/quickstart.yaml", "--config", help="Job spec to measure."),
+    overrides: list[str] = typer.Option(  # noqa: B008 - typer's documented form
+        [], "--set", help="Override a spec field (repeatable), e.g. model.preset=small."
+    ),
+    checkpointing: str = typer.Option(None, "--checkpointing", show_default=False,
+                                      help="Comma-separated activation checkpointing modes "
+                                      "to compare: none, full, selective (default: the "
+                                      "spec's)."),
+    sharding: str = typer.Option(None, "--sharding", show_default=False,
+                                 help="Comma-separated: replicated, fsdp (default: the "
+                                 "spec's parallel.fsdp)."),
+    steps: int = typer.Option(1, "--steps", min=1, help="Measured steps per job, after one "
+                              "warm-up step."),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
+) -> None:
+    """Measured peak memory per rank in a training step, against `ringray plan`'s prediction.
+
+    On CPU each rank is a local gloo process and the peak is the CPU allocator's (from the
+    profiler's memory records); on CUDA, one device, torch.cuda.max_memory_allocated.
+
+    Example: ringray bench memory --set model.preset=small --set train.seq_len=4096
+    --set train.global_batch=1 --set parallel.cp=2 --checkpointing none,full,selective
+    --sharding replicated,fsdp
+    """
+    from ringray.bench.memory import run_memory_bench
+
+    spec = read_spec(config, overrides, check_paths=False)
+    base = spec.train_options()
+    modes = _choices("--checkpointing", checkpointing, ("none", "full", "selective"),
+                     base.train.activation_checkpointing)
+    shardings = _choices("--sharding", sharding, ("replicated", "fsdp"),
+                         "fsdp" if base.parallel.fsdp else "replicated")
+    jobs = []
+    for shard in shardings:
+        for mode in modes:
+            jobs.append(replace(base, parallel=replace(base.parallel, fsdp=shard == "fsdp"),
+                                train=replace(base.train, activation_checkpointing=mode)))
+    err.print(f"memory benchmark: {config}, {len(jobs)} job(s): "
+              f"{', '.join(shardings)} x checkpointing {', '.join(modes)}", highlight=False)
+    with err.status("training..."):
+        try:
+            results = run_memory_bench(jobs, steps=steps)
+        except ValueError as exc:
+            fail(str(exc))
+    if as_json:
+        json.dump([asdict(r) | {"measured_bytes": r.measured_bytes,
+                                "predicted_bytes": r.predicted_bytes,
+                                "error_ratio": r.error_ratio} for r in results],
+                  sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return
+    first = results[0]
+    Console().print(
+        f"{first.world} rank(s) on {first.device}, seq {first.seq_len}, {first.local_tokens} "
+        f"tokens per rank; peak: the largest rank's allocated bytes in a step; plan: "
+        f"`ringray plan`'s peak; ring: bytes one rank sends per step.", highlight=False)
+    table = Table()
+    for col in ("job", "measured MiB", "plan MiB", "plan error", "ring MiB"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for r in results:
+        table.add_row(r.label, f"{r.measured_bytes / 2**20:.1f}",
+                      f"{r.predicted_bytes / 2**20:.1f}", f"{r.error_ratio:+.1%}",
+                      f"{max(r.ring_bytes_sent) / 2**20:.1f}")
+    Console().print(table)
+
+
+def _choices(flag: str, text: str | None, valid: tuple[str, ...], default: str) -> list[str]:
+    """A comma-separated list of ``valid`` names (``default`` when not given)."""
+    if text is None:
+        return [default]
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in valid]
+    if unknown or not names:
+        fail(f"{flag}: {text!r} is not a comma-separated list of {', '.join(valid)}")
+    return names
 
 
 def _print_ring_tables(results, per_document: bool = False) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,11 @@ from torch.utils.checkpoint import checkpoint
 from ringray.attention import Layout, RingStats, make_layout, ring_attention
 from ringray.model.config import ModelConfig
 from ringray.model.rope import apply_rotary, compute_dtype, rotary_tables
+
+ActivationCheckpointing = Literal["none", "full", "selective"]
+"""What a block keeps for its backward: everything (``none``); only its input, recomputing
+the whole block, ring pass included (``full``); or its input and what ring attention saves
+(q, output, LSE, last K/V block), recomputing the rest but never the ring (``selective``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,18 +77,33 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ring: RingContext
     ) -> torch.Tensor:
+        return self.project_out(self.ring_pass(*self.project(x, cos, sin), ring))
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-token work before the ring: q, k, v ``(batch, seq, heads, head_dim)``, rotated."""
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim)
         k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = ring_attention(
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    @staticmethod
+    def ring_pass(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: RingContext
+    ) -> torch.Tensor:
+        """Attention over the whole ring (the only step that communicates)."""
+        return ring_attention(
             q, k, v, ring.group, layout=ring.layout, causal=True,
             backend=ring.backend, stats=ring.stats,
         )
-        return self.wo(out.reshape(batch, seq, self.n_heads * self.head_dim))
+
+    def project_out(self, out: torch.Tensor) -> torch.Tensor:
+        """The output projection of the heads' results ``(batch, seq, heads, head_dim)``."""
+        return self.wo(out.flatten(2))
 
 
 class FeedForward(nn.Module):
@@ -99,38 +120,69 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
+    """A pre-norm decoder block. With ``recompute_around_ring`` (selective activation
+    checkpointing) the work before the ring pass and the work after it are two checkpointed
+    regions, and the ring pass between them is not: its autograd function keeps q, the
+    output, the LSE and its last K/V block, so the backward recomputes norms, projections,
+    RoPE and the MLP but never goes round the ring again."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
+        self.recompute_around_ring = False
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ring: RingContext
     ) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, ring)
+        if self.recompute_around_ring and torch.is_grad_enabled():
+            q, k, v = checkpoint(self._before_ring, x, cos, sin, use_reentrant=False)
+            out = self.attention.ring_pass(q, k, v, ring)
+            return checkpoint(self._after_ring, x, out, use_reentrant=False)
+        q, k, v = self._before_ring(x, cos, sin)
+        return self._after_ring(x, self.attention.ring_pass(q, k, v, ring))
+
+    def _before_ring(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.attention.project(self.attention_norm(x), cos, sin)
+
+    def _after_ring(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention.project_out(out)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
 class Transformer(nn.Module):
     """Token embedding, ``n_layers`` pre-norm blocks, final RMSNorm, output projection.
 
-    ``activation_checkpointing`` recomputes each block in the backward pass instead of
-    keeping its activations (the recompute repeats the block's ring pass, on every rank in
-    the same order, so the ring stays in step). With ``tie_embeddings`` the output
-    projection's weight *is* the embedding table (one parameter, registered under both).
+    ``activation_checkpointing`` (:data:`ActivationCheckpointing`): ``"full"`` recomputes
+    each block in the backward pass instead of keeping its activations (the recompute
+    repeats the block's ring pass, on every rank in the same order, so the ring stays in
+    step); ``"selective"`` recomputes everything but the ring pass (see :class:`Block`).
+    ``True`` and ``False`` are still read as ``"full"`` and ``"none"``. With
+    ``tie_embeddings`` the output projection's weight *is* the embedding table (one
+    parameter, registered under both).
     """
 
-    def __init__(self, cfg: ModelConfig, *, activation_checkpointing: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, *,
+                 activation_checkpointing: ActivationCheckpointing | bool = "none") -> None:
         super().__init__()
+        if isinstance(activation_checkpointing, bool):
+            activation_checkpointing = "full" if activation_checkpointing else "none"
+        if activation_checkpointing not in get_args(ActivationCheckpointing):
+            raise ValueError(f"activation_checkpointing: {activation_checkpointing!r} is not "
+                             f"one of {', '.join(map(repr, get_args(ActivationCheckpointing)))}")
         self.config = cfg
-        self.activation_checkpointing = activation_checkpointing
+        self.activation_checkpointing: ActivationCheckpointing = activation_checkpointing
         # The Hugging Face checkpoint the weights came from, set by load_pretrained;
         # save_pretrained copies its tokenizer and keeps the rest of its config.json.
         self.pretrained_source: str | None = None
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        for block in self.layers:
+            block.recompute_around_ring = activation_checkpointing == "selective"
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.tie_weights()
@@ -178,7 +230,7 @@ class Transformer(nn.Module):
         )
         x = self.tok_embeddings(tokens)
         for block in self.layers:
-            if self.activation_checkpointing and torch.is_grad_enabled():
+            if self.activation_checkpointing == "full" and torch.is_grad_enabled():
                 x = checkpoint(block, x, cos, sin, ring, use_reentrant=False)
             else:
                 x = block(x, cos, sin, ring)

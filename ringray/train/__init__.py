@@ -6,6 +6,8 @@ torchrun or inside Ray workers.
 - :mod:`~ringray.train.options`: one options dataclass per job-spec section, composed into
   :class:`TrainOptions`.
 - :mod:`~ringray.train.mesh`: the dp × cp mesh; :mod:`~ringray.train.trainer`: one step.
+- :mod:`~ringray.train.sharding`: replicated weights, or FSDP2 over the flattened mesh;
+  :mod:`~ringray.train.footprint`: the memory one rank holds, term by term.
 - :mod:`~ringray.train.checkpoint`: DCP checkpoints committed by a marker.
 - :mod:`~ringray.train.step_stats`: what a step measured; :mod:`~ringray.train.loop`: a run.
 - ``python -m ringray.train --config FILE``: the torchrun entry point.

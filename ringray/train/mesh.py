@@ -5,8 +5,9 @@
 
 Ranks are laid out as ``arange(world).view(dp, cp)``: a row is one context-parallel ring
 (consecutive ranks, so a ring stays on as few nodes as possible), a column is one
-data-parallel group. Weights are replicated everywhere; gradients are summed over the whole
-mesh.
+data-parallel group. Gradients are summed over the whole mesh: weights are replicated
+everywhere, or, with ``parallel.fsdp``, sharded over the whole mesh flattened (rank order is
+already the flattened dp × cp order; :mod:`ringray.train.sharding`).
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ from ringray.data import (
     passkey_min_seq_len,
 )
 from ringray.model import ModelConfig
+from ringray.model.llama import ActivationCheckpointing
 
 MAX_SEQ_LEN = 1 << 24
 """16M tokens: sixteen times the longest context in jobs/ (1M). Longer is almost surely a typo
@@ -81,6 +82,11 @@ class ParallelOptions:
     evenly (zigzag: multiples of 2 × cp; contiguous and striped: of cp)."""
     attention_backend: BackendName = "auto"
     """Local attention kernel (auto: triton on CUDA when installed, else sdpa)."""
+    fsdp: bool = False
+    """Shard weights, gradients and AdamW state over all dp × cp ranks (FSDP2 over the
+    flattened mesh: each block's weights are all-gathered for its forward and backward, and
+    gradients are summed by one reduce-scatter); false: replicated on every rank. With bf16
+    precision the gathered weights are bf16 and gradients are reduced in fp32."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,14 +105,24 @@ class TrainingOptions:
     """AdamW and LR."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """auto: bf16 autocast on CUDA, fp32 on CPU."""
-    activation_checkpointing: bool = False
-    """Recompute each block in the backward pass to save memory."""
+    activation_checkpointing: ActivationCheckpointing = "none"
+    """What the backward recomputes to save memory: 'none'; 'full' (each block, ring pass
+    included; keeps only block inputs); 'selective' (each block but its ring pass: keeps
+    block inputs and ring attention's q, output, LSE and last K/V block, so no K/V block is
+    sent twice)."""
     log_every: Annotated[int, Ge(1)] = 10
     """Print a progress line every N steps; the first and the last step are always printed,
     so N > steps prints only those."""
     peak_tflops_per_device: Annotated[float, Gt(0)] | None = None
     """Peak TFLOP/s per device for MFU; null: a known GPU's bf16 peak, or a float32 matmul
     measured at start on CPU."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.activation_checkpointing, bool):  # the spelling before 'selective'
+            raise ValueError(
+                f"activation_checkpointing: {str(self.activation_checkpointing).lower()} is no "
+                f"longer a value; write 'full' for true (recompute each block), 'none' for "
+                f"false, or 'selective' (recompute all but the ring pass)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,8 +9,10 @@ Each rank of a ``dp × cp`` mesh takes its data-parallel slice of the global bat
 sequence with the layout, and keeps its share. Labels are next tokens on the *global*
 sequence, sharded the same way, so the loss of a token does not depend on where it lives. The
 loss is the token mean over the whole global batch: each rank backpropagates its own token
-sum divided by the global token count, and summing the ranks' gradients (one all-reduce over
-the mesh) gives exactly the gradient of a single-device run on the same batch.
+sum divided by the global token count, and summing the ranks' gradients gives exactly the
+gradient of a single-device run on the same batch. Replicated weights sum them with one
+all-reduce over the mesh; with ``parallel.fsdp`` FSDP2's reduce-scatter sums them into each
+rank's shard (:mod:`ringray.train.sharding`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,12 @@ from ringray.train.checkpoint import CheckpointError, CheckpointRef, CheckpointS
 from ringray.train.mesh import Mesh, build_mesh, resolve_mesh_shape
 from ringray.train.options import TrainOptions, check_token_budget
 from ringray.train.schedule import learning_rate
+from ringray.train.sharding import (
+    all_reduce_gradients,
+    clip_gradients_,
+    fsdp_mesh,
+    shard_model,
+)
 from ringray.train.step_stats import REPORT_FIELDS, StepStats, summarize_step
 
 
@@ -113,8 +121,15 @@ class Trainer:
         # The same seed on every rank: the replicas start from identical weights.
         torch.manual_seed(options.train.seed)
         self.model = self._make_model()
+        self.compute_dtype = self._compute_dtype(options.train.precision)
+        # With FSDP over more than one rank, FSDP's mixed precision gathers bf16 weights, so
+        # there is nothing for autocast to cast; with one rank there is nothing to shard.
+        self.sharded = options.parallel.fsdp and self.mesh.distributed
+        if self.sharded:
+            shard_model(self.model, fsdp_mesh(shape, self.device),
+                        param_dtype=self.compute_dtype)
+        self.autocast_dtype = None if self.sharded else self.compute_dtype
         self.optimizer = self._make_optimizer()
-        self.autocast_dtype = self._autocast_dtype(options.train.precision)
         self.step_count = 0
         self.peak_flops_per_device = options.peak_flops_per_device or self._agreed_peak()
         self.flops_per_token = options.model.flops_per_token(options.train.seq_len, causal=True)
@@ -138,7 +153,9 @@ class Trainer:
     def _make_model(self) -> Transformer:
         """The model on this device: freshly initialised, or with a pretrained checkpoint's
         weights (built on the meta device and filled tensor by tensor, so its weights are
-        materialised once). A resumed run's checkpoint then overwrites them."""
+        materialised once). A resumed run's checkpoint then overwrites them. With FSDP the
+        full weights are made (or loaded) first and sharded after, so every sharding starts
+        from the same weights as a replicated run."""
         options = self.options
         checkpointing = options.train.activation_checkpointing
         if options.pretrained is None:
@@ -162,7 +179,8 @@ class Trainer:
             lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
         )
 
-    def _autocast_dtype(self, precision: str) -> torch.dtype | None:
+    def _compute_dtype(self, precision: str) -> torch.dtype | None:
+        """bf16, or ``None`` for float32 compute."""
         if precision == "auto":
             return torch.bfloat16 if self.device.type == "cuda" else None
         if precision == "bf16":
@@ -190,7 +208,7 @@ class Trainer:
         """Seconds per byte of this ring's exchanges with nothing else running (median of
         three), the baseline for the overlap ratio. Collective over the CP group."""
         cfg = self.options.model
-        dtype = self.autocast_dtype or torch.float32
+        dtype = self.compute_dtype or torch.float32
         k_block = torch.zeros(
             self.options.train.global_batch // self.mesh.shape.dp, self.layout.local_len,
             cfg.n_kv_heads, cfg.head_dim, dtype=dtype, device=self.device,
@@ -210,18 +228,6 @@ class Trainer:
             self.layout.shard(inputs, rank).to(self.device),
             self.layout.shard(labels, rank).to(self.device),
         )
-
-    def _all_reduce_gradients(self) -> None:
-        """Sum every gradient over the whole mesh, as one flat buffer (one collective)."""
-        if not self.mesh.distributed:
-            return
-        grads = [p.grad for p in self.model.parameters()]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
 
     def _gather_reports(self, report: list[float]) -> list[list[float]]:
         local = torch.tensor(report, dtype=torch.float64, device=self.device)
@@ -255,10 +261,11 @@ class Trainer:
         loss_sum = F.cross_entropy(
             logits.float().flatten(0, 1), labels.flatten(), reduction="sum"
         )
-        (loss_sum / global_tokens).backward()
-        self._all_reduce_gradients()
+        (loss_sum / global_tokens).backward()  # with FSDP, its reduce-scatter sums here
+        if not self.sharded:
+            all_reduce_gradients(self.model)
         clip = opt.grad_clip if opt.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        grad_norm = clip_gradients_(self.model.parameters(), clip)
         self.optimizer.step()
         self.step_count += 1
 
@@ -302,9 +309,11 @@ class Trainer:
 
     # ----------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
-        """Everything a resumed run needs, as a DCP state dict. Weights and optimizer state
-        are replicated, so DCP writes them once; the loader position and the RNG state are the
-        job's (identical on every rank), so a checkpoint loads at any dp or cp degree."""
+        """Everything a resumed run needs, as a DCP state dict. Replicated weights and
+        optimizer state are written once; FSDP's are DTensor shards, each rank writing its
+        own, under the same names and global shapes, so DCP reshards either kind into the
+        other or into any other degree on load. The loader position and the RNG state are
+        the job's (identical on every rank), so a checkpoint loads at any dp or cp degree."""
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         rng = {"torch": torch.get_rng_state()}
         if self.device.type == "cuda":

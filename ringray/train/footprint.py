@@ -1,0 +1,267 @@
+"""What one rank of this trainer holds in memory during a step, term by term (pure
+arithmetic: no devices, no tensors). ``ringray plan`` (:mod:`ringray.capacity`) puts it
+against a device's memory; ``ringray bench memory`` against what a step really allocates.
+
+    footprint = rank_footprint(cfg, local_tokens=16384 * 8, cp=8, shards=8, bf16=True,
+                               checkpointing="selective")
+    footprint.peak_bytes, footprint.peak_moment
+
+The accounting follows what :mod:`ringray.train.trainer` allocates:
+
+- **Weights, gradients, optimizer.** The trainer keeps float32 weights and float32 gradients,
+  and ``torch.optim.AdamW`` two float32 moments: 4 + 4 + 8 bytes per parameter.
+  Replicated (``parallel.fsdp: false``), every device holds all of them; with bf16
+  (``precision: bf16``, or ``auto`` on a GPU) it autocasts: every weight matrix that a
+  matmul uses gets a bf16 copy, cached by autocast and saved for the backward, so +2 bytes
+  per matmul parameter. With FSDP all 16 bytes are divided by dp × cp (the flattened mesh
+  they are sharded over), and :func:`gathered_bytes` counts the full weights and gradients
+  that exist for a moment: the root's (embedding, output) for the whole step, and about
+  two blocks' (the one computing and the one prefetched) with one block's gradients and
+  their float32 reduce-scatter buffer.
+- **Activations**: :func:`layer_activation_bytes_per_token` and
+  :func:`head_activation_bytes_per_token` (the formula, and where each term comes from);
+  what each activation checkpointing mode keeps (:func:`kept_activation_bytes_per_token`)
+  and recomputes (:func:`recompute_bytes_per_token`).
+- **Ring buffers**: :func:`ring_buffer_bytes_per_token` (counted from
+  :mod:`ringray.attention.ring`).
+- **Step transients.** After the backward (when the activations are freed) AdamW's foreach
+  update allocates a float32 temporary the size of the (local) parameters, and a replicated
+  run's gradient all-reduce a flat float32 buffer of every gradient first: 4 bytes per local
+  parameter.
+- **The peak** (:class:`Footprint`): gradients fill in as the backward frees activations,
+  so the peak is the weights and AdamW state plus the largest of the backward's start
+  (every activation, the first gradients), its end (every gradient, one block's
+  activations) and the optimizer step (every gradient, the step transient).
+
+``tests/test_capacity.py`` checks the activation terms against what autograd saves and the
+allocator holds; ``tests/test_bench_memory.py`` the peak against measured steps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ringray.model import ModelConfig
+from ringray.model.llama import ActivationCheckpointing as Checkpointing
+
+
+def _block_terms(cfg: ModelConfig, *, bf16: bool, bf16_weights: bool = False
+                 ) -> tuple[int, int, int]:
+    """(before the ring, the ring's, after the ring): the bytes per token that one block
+    saves for its backward in each of its three parts (see
+    :func:`layer_activation_bytes_per_token`)."""
+    d, h, k, e, f = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden
+    a = 2 if bf16 else 4
+    norm = 4 * d + 4 * d + 4
+    if bf16_weights:  # one bf16 norm output, shared by the projections
+        qkv_in, w13_in = a * d, a * d
+    else:
+        qkv_in, w13_in = (3 * a * d, 2 * a * d) if bf16 else (4 * d, 4 * d)
+    attention = 2 * a * h * e + 4 * h + 2 * a * k * e
+    return norm + qkv_in, attention, norm + w13_in + 4 * a * f
+
+
+def layer_activation_bytes_per_token(cfg: ModelConfig, *, bf16: bool,
+                                     bf16_weights: bool = False) -> int:
+    """Bytes one decoder block saves for its backward, per token (``d`` = dim, ``h``/``k`` =
+    query/kv heads, ``e`` = head_dim, ``f`` = ffn_hidden, ``a`` = 2 with bf16, 4 in fp32).
+    The residual stream is float32 (float32 weights; bf16 outputs add into it), or bf16 with
+    FSDP's bf16 weights (``bf16_weights``)::
+
+        norms      2 x (4d + 4d + 4)   each RMSNorm saves its float32 input (a float32 copy
+                                       of a bf16 one), its normalised output (for the gain's
+                                       gradient) and 1/rms per token
+        q/k/v in   3ad (bf16) | 4d     autocast casts the norm output once per projection
+                   | ad (bf16 weights) and each matmul saves its own bf16 copy; in fp32, or
+                                       with bf16 weights, the three share one tensor
+        w1/w3 in   2ad | 4d | ad       the same for the two SwiGLU input projections
+        attention  2ahe + 4h + 2ake    ring attention saves q and its output (the o
+                                       projection's input is that same tensor), the float32
+                                       LSE per query head, and the last K/V block it held
+        SwiGLU     4af                 w1 out (SiLU's input), SiLU out, w3 out, and their
+                                       product (w2's input)
+
+    Rotary embeddings save only the shared cos/sin tables (the head's term): a product with
+    a constant keeps the constant, not the activation. ``tests/test_capacity.py`` checks
+    this count against the tensors autograd actually saves.
+    """
+    return sum(_block_terms(cfg, bf16=bf16, bf16_weights=bf16_weights))
+
+
+def head_activation_bytes_per_token(cfg: ModelConfig, *, bf16: bool) -> int:
+    """Bytes outside the blocks, per token::
+
+        final norm   4d + 4d + 4        as in a block
+        output in    ad                 the output projection's (bf16) input
+        logits       aV + 4V            the logits the training step holds, and the float32
+                                        log-softmax the cross-entropy saves
+        rotary       8e                 float32 cos and sin tables, shared by every layer
+        tokens       16                 int64 inputs (embedding) and labels (loss)
+    """
+    d, e, v = cfg.dim, cfg.head_dim, cfg.vocab_size
+    a = 2 if bf16 else 4
+    return (4 * d + 4 * d + 4) + a * d + (a * v + 4 * v) + 8 * e + 16
+
+
+def kept_activation_bytes_per_token(cfg: ModelConfig, *, bf16: bool, checkpointing: Checkpointing,
+                                    bf16_weights: bool = False) -> int:
+    """What the forward leaves alive for the backward, per local token over the whole model:
+    every block's saved tensors (``none``); each block's input only (``full``: float32, or
+    bf16 with ``bf16_weights``); each block's input and its ring attention's saved tensors
+    (``selective``); plus the head's."""
+    per_layer = _layer_kept(cfg, bf16=bf16, checkpointing=checkpointing,
+                            bf16_weights=bf16_weights)
+    return cfg.n_layers * per_layer + head_activation_bytes_per_token(cfg, bf16=bf16)
+
+
+def _layer_kept(cfg: ModelConfig, *, bf16: bool, checkpointing: Checkpointing,
+                bf16_weights: bool) -> int:
+    """What one block keeps from its forward for its backward, per token."""
+    before, ring, after = _block_terms(cfg, bf16=bf16, bf16_weights=bf16_weights)
+    block_input = (2 if bf16_weights else 4) * cfg.dim
+    return {"none": before + ring + after, "full": block_input,
+            "selective": block_input + ring}[checkpointing]
+
+
+def recompute_bytes_per_token(cfg: ModelConfig, *, bf16: bool, checkpointing: Checkpointing,
+                              bf16_weights: bool = False) -> int:
+    """What the backward rebuilds at one time, per local token: one whole block (``full``),
+    the larger of a block's two regions around the ring pass (``selective``: the part after
+    it is recomputed and released before the part before it), or nothing (``none``)."""
+    before, ring, after = _block_terms(cfg, bf16=bf16, bf16_weights=bf16_weights)
+    return {"none": 0, "full": before + ring + after,
+            "selective": max(before, after)}[checkpointing]
+
+
+def activation_bytes_per_token(cfg: ModelConfig, *, bf16: bool, checkpointing: Checkpointing,
+                               bf16_weights: bool = False) -> int:
+    """Activations per local token at their peak (the start of the backward): what the
+    forward kept plus what the backward recomputes at once."""
+    return (kept_activation_bytes_per_token(cfg, bf16=bf16, checkpointing=checkpointing,
+                                            bf16_weights=bf16_weights)
+            + recompute_bytes_per_token(cfg, bf16=bf16, checkpointing=checkpointing,
+                                        bf16_weights=bf16_weights))
+
+
+def ring_buffer_bytes_per_token(cfg: ModelConfig, *, cp: int, bf16: bool) -> int:
+    """Buffers one ring-attention call allocates beyond what it saves, per local token
+    (only one layer's ring runs at a time), counted from :mod:`ringray.attention.ring`;
+    a K/V block is ``2ke`` elements per token::
+
+        forward   kv_incoming (a)                 + out accumulator (float32, 4he)
+        backward  kv_spare x 2 (a)                + dkv_partial, dkv_done, dkv_incoming
+                                                    (float32 K/V gradient sums, x 3)
+                                                  + dq accumulator (float32, 4he)
+
+    The current block is the one saved by the forward (an activation). With cp = 1 there is
+    no incoming block, no spare and only ``dkv_partial``. The larger phase (the backward)
+    is the figure.
+    """
+    h, k, e = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    a = 2 if bf16 else 4
+    kv_block = 2 * k * e
+    ring = cp > 1
+    forward = (kv_block * a if ring else 0) + 4 * h * e
+    backward = (2 * kv_block * a if ring else 0) + (3 if ring else 1) * kv_block * 4 + 4 * h * e
+    return max(forward, backward)
+
+
+def _matmul_params(cfg: ModelConfig) -> int:
+    """Parameters autocast casts to bf16: every linear layer (not norms, not the embedding)."""
+    attn = cfg.dim * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+    return cfg.n_layers * (attn + 3 * cfg.dim * cfg.ffn_hidden) + cfg.vocab_size * cfg.dim
+
+
+def gathered_bytes(cfg: ModelConfig, *, bf16: bool) -> int:
+    """Full (unsharded) weights and gradients that FSDP materialises at the backward's
+    peak, with ``w`` bytes per gathered element (2 with bf16, else 4)::
+
+        root        2w x (embedding, output, final norm)   kept gathered through the whole
+                                                            step; its gradients through the
+                                                            whole backward
+        blocks      (2w + max(w, 4)) x one block           the block computing and the next
+                                                            one, prefetched; then the first's
+                                                            gradients and, once it is freed,
+                                                            their float32 reduce-scatter input
+    """
+    w = 2 if bf16 else 4
+    root, block = _root_and_block_params(cfg)
+    return 2 * w * root + (2 * w + max(w, 4)) * block
+
+
+def _root_and_block_params(cfg: ModelConfig) -> tuple[int, int]:
+    """Parameters outside the blocks (embedding, output, final norm), and in one block."""
+    root = cfg.vocab_size * cfg.dim * (1 if cfg.tie_embeddings else 2) + cfg.dim
+    return root, (cfg.num_params() - root) // cfg.n_layers
+
+
+@dataclass(frozen=True, kw_only=True)
+class Footprint:
+    """Bytes on one rank. The forward leaves ``kept_activations``; the backward of a block
+    adds its working set, ``backward_working = max(recompute, ring_buffers + what a full
+    recompute keeps alive during the ring's backward)`` (a selective recompute's two regions
+    are rebuilt before and after the ring's backward, not during it). Gradients fill in as
+    the backward frees activations, so the peak is ``weights + optimizer`` plus the largest
+    of three moments:
+
+    - the backward's start: ``kept_activations + backward_working + gathered +
+      first_gradients`` (the root's and one block's gradients);
+    - its end: all ``gradients`` + ``last_block_kept + backward_working + gathered``;
+    - the optimizer step: all ``gradients + step_transient``.
+
+    ``gathered`` is FSDP's unsharded weights and gradients (0 when replicated);
+    ``activations`` (kept plus one recompute) is what a report shows as the activations."""
+
+    weights_bytes: int
+    gradients_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int
+    kept_activations_bytes: int
+    recompute_bytes: int
+    ring_buffers_bytes: int
+    backward_working_bytes: int
+    gathered_bytes: int
+    step_transient_bytes: int
+    first_gradients_bytes: int
+    last_block_kept_bytes: int
+    peak_bytes: int
+    peak_moment: str  # "backward start" | "backward end" | "optimizer step"
+
+    @property
+    def static_bytes(self) -> int:
+        return self.weights_bytes + self.gradients_bytes + self.optimizer_bytes
+
+
+def rank_footprint(cfg: ModelConfig, *, local_tokens: int, cp: int, shards: int, bf16: bool,
+                   checkpointing: Checkpointing) -> Footprint:
+    """One rank's memory with ``local_tokens`` tokens (its sequences' shares on a ring of
+    ``cp``), weights split ``shards`` ways (dp × cp with FSDP, 1 replicated), bf16 compute
+    (autocast when replicated, FSDP's bf16 weights when sharded) or float32."""
+    sharded = shards > 1
+    local_params = math.ceil(cfg.num_params() / shards)
+    autocast_copies = 2 * _matmul_params(cfg) if bf16 and not sharded else 0
+    weights = 4 * local_params + autocast_copies
+    terms = dict(bf16=bf16, checkpointing=checkpointing, bf16_weights=bf16 and sharded)
+    kept = local_tokens * kept_activation_bytes_per_token(cfg, **terms)
+    recompute = local_tokens * recompute_bytes_per_token(cfg, **terms)
+    ring = local_tokens * ring_buffer_bytes_per_token(cfg, cp=cp, bf16=bf16)
+    before, ring_saved, _ = _block_terms(cfg, bf16=bf16, bf16_weights=terms["bf16_weights"])
+    alongside = local_tokens * (before + ring_saved) if checkpointing == "full" else 0
+    working = max(recompute, alongside + ring)
+    last_block_kept = local_tokens * _layer_kept(cfg, **terms)
+    gathered = gathered_bytes(cfg, bf16=bf16) if sharded else 0
+    gradients, transient = 4 * local_params, 4 * local_params
+    first_gradients = 4 * math.ceil(sum(_root_and_block_params(cfg)) / shards)
+    moments = {"backward start": first_gradients + kept + working + gathered,
+               "backward end": gradients + last_block_kept + working + gathered,
+               "optimizer step": gradients + transient}
+    moment = max(moments, key=moments.__getitem__)
+    return Footprint(
+        weights_bytes=weights, gradients_bytes=gradients, optimizer_bytes=8 * local_params,
+        activations_bytes=kept + recompute, kept_activations_bytes=kept,
+        recompute_bytes=recompute, ring_buffers_bytes=ring, backward_working_bytes=working,
+        gathered_bytes=gathered, step_transient_bytes=transient,
+        first_gradients_bytes=first_gradients, last_block_kept_bytes=last_block_kept,
+        peak_bytes=weights + 8 * local_params + moments[moment], peak_moment=moment,
+    )
