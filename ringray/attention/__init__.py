@@ -3,6 +3,11 @@
     from ringray.attention import ring_attention, make_layout, RingStats
 
     out = ring_attention(q, k, v, group, layout="balanced", documents=[5218, 227, 97, ...])
+
+Ulysses × ring (head all-to-all inside a node, the ring across nodes):
+
+    ring_group, ulysses_group = grid_groups(ulysses=8)
+    out = ring_attention(q, k, v, ring_group, ulysses_group=ulysses_group, layout="zigzag")
 """
 
 from ringray.attention.documents import Documents, check_documents
@@ -16,9 +21,11 @@ from ringray.attention.layouts import (
 )
 from ringray.attention.merge import merge
 from ringray.attention.ring import ring_attention
-from ringray.attention.stats import RingStats, RingStepRecord, RingTotals
+from ringray.attention.stats import AllToAllRecord, RingStats, RingStepRecord, RingTotals
+from ringray.attention.ulysses import check_ulysses_heads, grid_groups
 
 __all__ = [
+    "AllToAllRecord",
     "Documents",
     "Layout",
     "RingStats",
@@ -27,7 +34,9 @@ __all__ = [
     "block_work",
     "causal_work",
     "check_documents",
+    "check_ulysses_heads",
     "document_work",
+    "grid_groups",
     "make_layout",
     "merge",
     "ring_attention",

@@ -20,10 +20,23 @@ rank. Every layout is exact with documents; ``balanced`` is the one that also ba
 
     >>> lay = make_layout("balanced", 4, 16384, documents=[5218, 227, 97, ...])
     >>> document_work(lay, [5218, 227, 97, ...])   # visible query-key pairs per rank
+
+Two-dimensional context parallelism (Ulysses inside a node, the ring across nodes):
+``make_layout(kind, world_size, seq_len, ulysses=U)`` lays the sequence over R = world / U
+ring members with ``kind`` and cuts each member's chunk, in its local order, into U
+consecutive sub-shards: global rank ``ring_index * U + ulysses_index`` holds sub-shard
+``ulysses_index`` of ring member ``ring_index``. After the Ulysses all-to-all each rank of a
+Ulysses group holds its member's whole chunk (for H/U heads), so the ring over R keeps the
+chosen layout's balance (:mod:`.ulysses`). ``layout.ring`` is that R-rank layout.
+
+    >>> lay = make_layout("zigzag", 4, 16, ulysses=2)   # ring of 2, Ulysses groups of 2
+    >>> [lay.positions(r).tolist() for r in range(4)]
+    [[0, 1, 2, 3], [12, 13, 14, 15], [4, 5, 6, 7], [8, 9, 10, 11]]
 """
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -70,6 +83,10 @@ class Layout:
 
     Immutable once built; construct with :func:`make_layout`. ``positions(rank)[i]`` is the
     global index of the token at local index ``i`` on ``rank``.
+
+    A two-dimensional layout (``ulysses > 1``) covers all ``world_size = R * U`` ranks of a
+    ring × Ulysses grid; ``ring`` is the R-rank layout its ring runs over (for a plain
+    layout, the layout itself).
     """
 
     def __init__(
@@ -79,6 +96,8 @@ class Layout:
         seq_len: int,
         rank_positions: torch.Tensor,
         rank_runs: tuple[tuple[Run, ...], ...] | None = None,
+        *,
+        ring: Layout | None = None,
     ):
         self.kind = kind
         self.world_size = world_size
@@ -86,9 +105,13 @@ class Layout:
         self._positions = rank_positions  # (world_size, local_len) int64, read-only by contract
         # Built-in layouts state their runs; a custom permutation's are found greedily.
         self._given_runs = rank_runs
+        self.ring: Layout = ring if ring is not None else self
+        self.ulysses = world_size // self.ring.world_size  # ranks per Ulysses group
 
     def __repr__(self) -> str:
-        return f"Layout({self.kind!r}, world_size={self.world_size}, seq_len={self.seq_len})"
+        grid = f", ulysses={self.ulysses}" if self.ulysses > 1 else ""
+        return (f"Layout({self.kind!r}, world_size={self.world_size}, seq_len={self.seq_len}"
+                f"{grid})")
 
     @property
     def local_len(self) -> int:
@@ -100,7 +123,7 @@ class Layout:
         """What a sequence length must be a multiple of for this kind of layout over this
         many ranks (a custom permutation fits exactly its own length)."""
         if self.kind in LAYOUT_KINDS:
-            return seq_len_divisor(self.kind, self.world_size)
+            return seq_len_divisor(self.kind, self.world_size, ulysses=self.ulysses)
         return self.seq_len
 
     def positions(self, rank: int) -> torch.Tensor:
@@ -124,7 +147,8 @@ class Layout:
     @cached_property
     def fingerprint(self) -> int:
         """A 31-bit checksum of the layout, used to check that all ranks agree on it."""
-        digest = zlib.crc32(f"{self.kind}:{self.world_size}:{self.seq_len}".encode())
+        grid = f":u{self.ulysses}" if self.ulysses > 1 else ""
+        digest = zlib.crc32(f"{self.kind}:{self.world_size}:{self.seq_len}{grid}".encode())
         digest = zlib.crc32(self._positions.numpy().tobytes(), digest)
         return digest & 0x7FFFFFFF
 
@@ -157,13 +181,30 @@ class Layout:
         return out
 
 
-def seq_len_divisor(kind: str, world_size: int) -> int:
-    """What the global sequence length of a built-in layout must be a multiple of."""
+def seq_len_divisor(kind: str, world_size: int, ulysses: int = 1) -> int:
+    """What the global sequence length of a built-in layout must be a multiple of.
+
+    ``world_size`` counts every rank; with ``ulysses=U`` the ring has ``world_size / U``
+    members, each of whose chunks must also split into U equal sub-shards.
+    """
+    ring_size = _ring_size(world_size, ulysses)
     if kind == "zigzag":
-        return 2 * world_size
-    if kind in ("contiguous", "striped", "balanced"):
-        return world_size
-    raise ValueError(f"layout: unknown kind {kind!r}; valid: {', '.join(LAYOUT_KINDS)}")
+        ring_divisor = 2 * ring_size
+    elif kind in ("contiguous", "striped", "balanced"):
+        ring_divisor = ring_size
+    else:
+        raise ValueError(f"layout: unknown kind {kind!r}; valid: {', '.join(LAYOUT_KINDS)}")
+    return math.lcm(ring_divisor, world_size)
+
+
+def _ring_size(world_size: int, ulysses: int) -> int:
+    """Ring members R of a ``world_size``-rank grid with Ulysses groups of ``ulysses``."""
+    if ulysses < 1 or world_size % ulysses:
+        raise ValueError(
+            f"ulysses: {ulysses} ranks per Ulysses group do not divide the {world_size} ranks; "
+            f"use a divisor of {world_size}"
+        )
+    return world_size // ulysses
 
 
 def make_layout(
@@ -172,6 +213,7 @@ def make_layout(
     seq_len: int,
     *,
     documents: Documents | Sequence[int] | None = None,
+    ulysses: int = 1,
 ) -> Layout:
     """Build (or check) the layout of ``seq_len`` tokens over ``world_size`` ranks.
 
@@ -181,17 +223,30 @@ def make_layout(
 
     ``documents`` (the global sequence's document lengths, summing to ``seq_len``) shapes the
     ``balanced`` layout only; every other layout is the same with or without them.
+
+    ``ulysses=U > 1``: a two-dimensional layout over ``world_size = R * U`` ranks (see the
+    module docstring). ``kind_or_positions`` then describes the ring over R: a name, an
+    R-rank :class:`Layout` or R position lists; or it is a two-dimensional layout, checked.
     """
     if world_size < 1:
         raise ValueError(f"layout: world_size must be >= 1, got {world_size}")
-    if isinstance(kind_or_positions, Layout):
-        lay = kind_or_positions
-        if lay.world_size != world_size or lay.seq_len != seq_len:
+    ring_size = _ring_size(world_size, ulysses)
+    if ulysses > 1:
+        if isinstance(kind_or_positions, Layout) and (kind_or_positions.ulysses > 1 or
+                                                      kind_or_positions.world_size != ring_size):
+            return _checked(kind_or_positions, world_size, seq_len, ulysses)
+        divisor = _grid_divisor(kind_or_positions, world_size, ulysses)
+        if seq_len <= 0 or seq_len % divisor:
+            name = kind_or_positions if isinstance(kind_or_positions, str) else "custom"
             raise ValueError(
-                f"layout: got a layout for world_size={lay.world_size}, seq_len={lay.seq_len} "
-                f"but the call needs world_size={world_size}, seq_len={seq_len}"
+                f"layout: seq_len={seq_len} cannot be split by layout {name!r} over "
+                f"{ring_size} ring ranks x ulysses={ulysses}; it must be a positive multiple "
+                f"of {divisor}"
             )
-        return lay
+        ring = make_layout(kind_or_positions, ring_size, seq_len, documents=documents)
+        return _grid(ring, ulysses)
+    if isinstance(kind_or_positions, Layout):
+        return _checked(kind_or_positions, world_size, seq_len, ulysses)
     if isinstance(kind_or_positions, str):
         if kind_or_positions == "balanced":
             _check_divisible("balanced", world_size, seq_len)
@@ -199,6 +254,33 @@ def make_layout(
             return _balanced(world_size, seq_len, docs)
         return _builtin(kind_or_positions, world_size, seq_len)
     return _custom(kind_or_positions, world_size, seq_len)
+
+
+def _checked(lay: Layout, world_size: int, seq_len: int, ulysses: int) -> Layout:
+    """``lay`` if it was built for this many ranks, tokens and ranks per Ulysses group."""
+    if lay.world_size != world_size or lay.seq_len != seq_len or lay.ulysses != ulysses:
+        grid, needs = ((f", ulysses={lay.ulysses}", f", ulysses={ulysses}")
+                       if max(lay.ulysses, ulysses) > 1 else ("", ""))
+        raise ValueError(
+            f"layout: got a layout for world_size={lay.world_size}, seq_len={lay.seq_len}{grid} "
+            f"but the call needs world_size={world_size}, seq_len={seq_len}{needs}"
+        )
+    return lay
+
+
+def _grid_divisor(kind_or_positions: object, world_size: int, ulysses: int) -> int:
+    if isinstance(kind_or_positions, str) and kind_or_positions in LAYOUT_KINDS:
+        return seq_len_divisor(kind_or_positions, world_size, ulysses)
+    return world_size
+
+
+# Memoised on the ring layout (itself memoised), so that repeated calls share one grid.
+@lru_cache(maxsize=16)
+def _grid(ring: Layout, ulysses: int) -> Layout:
+    """Ring member r's chunk, in its local order, cut into ``ulysses`` consecutive sub-shards:
+    grid rank ``r * ulysses + u`` holds sub-shard u."""
+    pos = ring._positions.reshape(ring.world_size * ulysses, ring.local_len // ulysses)
+    return Layout(ring.kind, ring.world_size * ulysses, ring.seq_len, pos, ring=ring)
 
 
 def _check_divisible(kind: str, world_size: int, seq_len: int) -> None:
@@ -290,7 +372,8 @@ def causal_work(layout: Layout) -> list[int]:
 
     The token at global position p attends to p + 1 keys, so a rank's work is the sum of
     (p + 1) over its positions. ``max / mean`` of this list is the layout's theoretical
-    load imbalance.
+    load imbalance. (For a ring × Ulysses layout pass ``layout.ring``: after the all-to-all a
+    Ulysses group's ranks share their ring member's work equally, by heads.)
     """
     return [int((layout.positions(r) + 1).sum()) for r in range(layout.world_size)]
 

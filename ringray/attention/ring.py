@@ -12,6 +12,11 @@ on every rank, shared by the batch's rows); attention then stays inside each doc
 (:mod:`ringray.attention.documents`). The plan skips K/V blocks and pieces that lie wholly in
 other documents, and ``layout="balanced"`` spreads the documents' work evenly.
 
+Ulysses × ring: ``ulysses_group=`` adds an inner head all-to-all (one node) around the ring
+(across nodes); ``group`` is then the ring of ranks sharing this rank's ulysses index, and
+the layout covers the whole grid (``make_layout(kind, R * U, S, ulysses=U)``). See
+:mod:`ringray.attention.ulysses`.
+
 Forward: at step t this rank holds the K/V block that started on rank (r - t) mod N. The
 next block's send/receive is posted before the step's compute and waited for after it, so
 the transfer hides behind the compute. Each step's pieces (see
@@ -45,6 +50,13 @@ from ringray.attention.layouts import Layout
 from ringray.attention.merge import merge_into
 from ringray.attention.stats import NULL_TIMER, RingStats, StepTimer
 from ringray.attention.steps import Piece, PieceKind, RankPlan, plan_rank
+from ringray.attention.ulysses import (
+    UlyssesComm,
+    check_grid,
+    heads_to_sequence,
+    lse_to_sequence,
+    sequence_to_heads,
+)
 from ringray.attention.validation import CheckedCall, agree_across_ranks, check_local
 
 
@@ -54,6 +66,7 @@ def ring_attention(
     v: torch.Tensor,
     group: dist.ProcessGroup | None = None,
     *,
+    ulysses_group: dist.ProcessGroup | None = None,
     layout: str | Layout | list[list[int]] = "zigzag",
     causal: bool = True,
     softmax_scale: float | None = None,
@@ -68,40 +81,59 @@ def ring_attention(
         q: ``(batch, local_seq, q_heads, head_dim)``.
         k, v: ``(batch, local_seq, kv_heads, head_dim)``; ``q_heads % kv_heads == 0``.
         group: the context-parallel process group; ``None`` is the default group (or a
-            single process when ``torch.distributed`` is not initialised).
+            single process when ``torch.distributed`` is not initialised). With
+            ``ulysses_group``, the ring: the R ranks that share this rank's ulysses index.
+        ulysses_group: the U ranks (consecutive global ranks, one node) that exchange heads
+            around the ring; global rank = ring_index * U + ulysses_index. ``q_heads`` must
+            split over U, and kv_heads split over U or divide it (K/V are then repeated).
+            ``None`` (or one rank): no Ulysses.
         layout: ``"zigzag"``, ``"striped"``, ``"contiguous"``, ``"balanced"`` (built for
             ``documents``), a :class:`Layout`, or one list of global positions per rank.
+            With Ulysses: a name, a grid layout (``make_layout(..., ulysses=U)``), or the
+            ring's R-rank layout or position lists.
         causal: apply ``q_pos >= k_pos`` on global positions.
         softmax_scale: defaults to ``head_dim ** -0.5``.
         backend: local kernel: ``"auto"``, ``"triton"``, ``"sdpa"`` or ``"reference"``.
         return_lse: also return the natural-log LSE, ``(batch, q_heads, local_seq)``
             float32 (not differentiable).
-        stats: a :class:`RingStats` that receives one record per ring step.
+        stats: a :class:`RingStats` that receives one record per ring step (and one per
+            Ulysses all-to-all).
         documents: the document lengths of the *global* sequence (positive, summing to
-            ``local_seq * world_size``, identical on every rank, shared by every batch row):
+            ``local_seq`` times all ranks, identical on every rank, shared by every row):
             a query sees only keys of its own document (causal within it, or all of it when
             ``causal=False``). ``None``: one document.
 
     Raises:
-        ValueError: on a bad argument (naming it), or when another rank of the ring
-            rejected its inputs. Raised before any K/V block is sent.
+        ValueError: on a bad argument (naming it), or when another rank of the ring (or
+            of the ring x Ulysses grid) rejected its inputs. Raised before any K/V block or
+            all-to-all is sent.
     """
     comm = RingComm(group)
+    grid = UlyssesComm(ulysses_group) if ulysses_group is not None else None
+    if grid is not None and grid.world_size == 1:
+        grid = None  # a Ulysses group of one rank exchanges nothing
     checked: CheckedCall | None = None
     error: ValueError | None = None
     try:
+        if grid is not None:
+            check_grid(comm, grid)
         checked = check_local(q, k, v, comm, layout, causal, softmax_scale, backend,
-                              documents)
+                              documents, ulysses=grid.world_size if grid is not None else 1)
     except ValueError as exc:
         error = exc
     agree_across_ranks(comm, checked, q.device if isinstance(q, torch.Tensor) else None,
-                       error)
+                       error, grid)
     if error is not None:
         raise error
+    if grid is not None:  # this rank's positions, all heads -> the ring member's chunk
+        q, k, v = sequence_to_heads(q, k, v, grid, stats)
     out, lse = _RingAttention.apply(
-        q, k, v, comm, checked.layout, causal, checked.scale, checked.kernel, stats,
+        q, k, v, comm, checked.layout.ring, causal, checked.scale, checked.kernel, stats,
         checked.documents,
     )
+    if grid is not None:
+        out = heads_to_sequence(out, grid, stats)
+        lse = lse_to_sequence(lse, grid, stats) if return_lse else lse
     return (out, lse) if return_lse else out
 
 

@@ -20,6 +20,14 @@ What is measured, and how:
   stream stall between an event recorded before the wait and one after it.
 - ``bytes_sent``: payload this rank sent during the step.
 
+With Ulysses (``ring_attention(..., ulysses_group=...)``) each all-to-all adds one
+:class:`AllToAllRecord`: its ``seconds`` are wholly exposed (nothing computes while an
+all-to-all runs, and it waits for the slowest rank of the Ulysses group), measured on the
+wall clock on CPU and between two CUDA events on the compute stream on CUDA; its
+``bytes_sent`` are what left this rank (the share it keeps is not counted).
+:meth:`RingStats.totals` sums them as ``a2a_seconds`` / ``a2a_bytes_sent`` beside the ring's
+figures, which keep their meaning (``bytes_sent`` is the ring's alone).
+
 CUDA events are only read when the records are asked for, so recording adds no host sync to
 the training loop.
 """
@@ -43,11 +51,22 @@ class RingStepRecord:
 
 
 @dataclass(frozen=True)
+class AllToAllRecord:
+    phase: str  # "forward" or "backward"
+    name: str  # what moved: "qkv", "out", "lse" (forward); "dout", "dqkv" (backward)
+    seconds: float  # exposed: the all-to-all, its packing copies and the wait for its peers
+    bytes_sent: int  # what left this rank
+
+
+@dataclass(frozen=True)
 class RingTotals:
     steps: int
     compute_seconds: float
-    exposed_comm_seconds: float
-    bytes_sent: int
+    exposed_comm_seconds: float  # the ring's
+    bytes_sent: int  # the ring's
+    a2a_seconds: float = 0.0  # the Ulysses all-to-alls' (all exposed); 0 without Ulysses
+    a2a_bytes_sent: int = 0
+    a2a_calls: int = 0
 
 
 class StepTimer:
@@ -87,6 +106,36 @@ class CudaStepTimer(StepTimer):
         return start.elapsed_time(computed) / 1e3, computed.elapsed_time(waited) / 1e3
 
 
+class IntervalTimer:
+    """Brackets one blocking operation (an all-to-all): wall clock on CPU, since waiting is
+    what it costs; see :class:`CudaIntervalTimer`."""
+
+    def start(self) -> None:
+        self._start = time.perf_counter()
+
+    def stop(self) -> None:
+        self._seconds = time.perf_counter() - self._start
+
+    def seconds(self) -> float:
+        return self._seconds
+
+
+class CudaIntervalTimer(IntervalTimer):
+    def __init__(self) -> None:
+        self._events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+
+    def start(self) -> None:
+        self._events[0].record()
+
+    def stop(self) -> None:
+        self._events[1].record()
+
+    def seconds(self) -> float:
+        start, stop = self._events
+        stop.synchronize()
+        return start.elapsed_time(stop) / 1e3
+
+
 class _NullTimer(StepTimer):
     def start_compute(self) -> None:
         pass
@@ -107,6 +156,8 @@ class RingStats:
     def __init__(self) -> None:
         self._pending: list[tuple[str, int, StepTimer, int]] = []
         self._records: list[RingStepRecord] = []
+        self._pending_a2a: list[tuple[str, str, IntervalTimer, int]] = []
+        self._a2a_records: list[AllToAllRecord] = []
 
     def timer(self, device: torch.device) -> StepTimer:
         """A fresh timer for one step on ``device`` (used by the ring)."""
@@ -114,6 +165,21 @@ class RingStats:
 
     def add(self, phase: str, step: int, timer: StepTimer, bytes_sent: int) -> None:
         self._pending.append((phase, step, timer, bytes_sent))
+
+    def a2a_timer(self, device: torch.device) -> IntervalTimer:
+        """A fresh timer for one all-to-all on ``device`` (used by the Ulysses path)."""
+        return CudaIntervalTimer() if device.type == "cuda" else IntervalTimer()
+
+    def add_a2a(self, phase: str, name: str, timer: IntervalTimer, bytes_sent: int) -> None:
+        self._pending_a2a.append((phase, name, timer, bytes_sent))
+
+    @property
+    def a2a_records(self) -> list[AllToAllRecord]:
+        """The Ulysses all-to-alls so far (reading them resolves CUDA events: a host sync)."""
+        for phase, name, timer, sent in self._pending_a2a:
+            self._a2a_records.append(AllToAllRecord(phase, name, timer.seconds(), sent))
+        self._pending_a2a.clear()
+        return list(self._a2a_records)
 
     @property
     def records(self) -> list[RingStepRecord]:
@@ -127,16 +193,22 @@ class RingStats:
     def totals(self, phase: str | None = None) -> RingTotals:
         """Sums over all records, or over one phase (``"forward"``/``"backward"``)."""
         rows = [r for r in self.records if phase is None or r.phase == phase]
+        a2a = [r for r in self.a2a_records if phase is None or r.phase == phase]
         return RingTotals(
             steps=len(rows),
             compute_seconds=sum(r.compute_seconds for r in rows),
             exposed_comm_seconds=sum(r.exposed_comm_seconds for r in rows),
             bytes_sent=sum(r.bytes_sent for r in rows),
+            a2a_seconds=sum(r.seconds for r in a2a),
+            a2a_bytes_sent=sum(r.bytes_sent for r in a2a),
+            a2a_calls=len(a2a),
         )
 
     def clear(self) -> None:
         self._pending.clear()
         self._records.clear()
+        self._pending_a2a.clear()
+        self._a2a_records.clear()
 
 
 def overlap_ratio(exposed_comm_seconds: float, transfer_seconds: float) -> float:

@@ -6,6 +6,17 @@ rank reports whether its check passed (and which argument it rejected) and what 
 to send; if any rank failed, or the ranks disagree on shapes, dtype, layout or document
 lengths, *every* rank raises before a single K/V block moves. So a bad call raises on the
 rank that made it and cannot leave the others blocked in a receive that will never complete.
+
+With Ulysses (a ring × Ulysses grid) the all-reduce runs in two stages, first over the
+Ulysses group and then over the ring, on every rank whatever its own check said: after the
+first, each rank holds the maximum of its Ulysses group; after the second, the maximum of
+the ring of group maxima, which is the whole grid's. So a rank whose check failed is heard
+by its Ulysses peers, by its ring peers and by every other rank of the grid, and nothing
+moves (no all-to-all, no block) until everyone has agreed. What it cannot reach is a rank
+that was given other groups than its peers (a rank without ``ulysses_group`` among ranks
+with one): such a rank never joins its peers' all-reduce, and only the process group's own
+timeout ends the wait; ranks that swap or mislay their groups consistently are caught by
+:func:`~ringray.attention.ulysses.check_grid`.
 """
 
 from __future__ import annotations
@@ -20,17 +31,21 @@ from ringray.attention.backends import BlockAttentionBackend, resolve_backend
 from ringray.attention.comm import RingComm
 from ringray.attention.documents import Documents, check_documents
 from ringray.attention.layouts import Layout, make_layout
+from ringray.attention.ulysses import UlyssesComm, check_ulysses_heads
 
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+# In the order they are reported: the first that differs names the disagreement (a
+# different ulysses degree also changes the layout: it is named first, being the cause).
 _AGREED_FIELDS = (
-    "batch", "local_seq", "q_heads", "kv_heads", "head_dim", "dtype", "causal", "layout",
-    "documents",
+    "batch", "local_seq", "q_heads", "kv_heads", "head_dim", "dtype", "causal", "ulysses",
+    "layout", "documents",
 )
 # Fields compared by checksum: a disagreement names the field, not two meaningless numbers.
 _CHECKSUM_FIELDS = {"layout", "documents"}
 # The arguments a rank can reject, by the name its error message starts with ("name: ...");
 # the others learn which one (code = index + 1; 0: another).
-_ARGUMENTS = ("q", "k", "v", "layout", "documents", "softmax_scale", "backend", "group")
+_ARGUMENTS = ("q", "k", "v", "layout", "documents", "softmax_scale", "backend", "group",
+              "ulysses_group")
 
 
 @dataclass(frozen=True)
@@ -54,8 +69,10 @@ def check_local(
     softmax_scale: float | None,
     backend: str,
     documents: Documents | list[int] | None = None,
+    ulysses: int = 1,
 ) -> CheckedCall:
-    """Validate this rank's arguments; ``ValueError`` names the first bad one."""
+    """Validate this rank's arguments; ``ValueError`` names the first bad one. ``ulysses``:
+    ranks per Ulysses group (the layout then covers ``comm.world_size * ulysses`` ranks)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -89,62 +106,87 @@ def check_local(
         raise ValueError(
             f"k: kv_heads={kv_heads} must divide q_heads={q_heads} (grouped-query attention)"
         )
+    if ulysses > 1:
+        check_ulysses_heads(q_heads, kv_heads, ulysses)
     if softmax_scale is not None and not (math.isfinite(softmax_scale) and softmax_scale > 0):
         raise ValueError(f"softmax_scale: must be a positive finite number, got {softmax_scale}")
-    seq_len = local_seq * comm.world_size
+    ranks = comm.world_size * ulysses
+    seq_len = local_seq * ranks
     try:
         docs = check_documents(documents, seq_len)
     except ValueError as exc:
-        if comm.world_size == 1:
+        if ranks == 1:
             raise
-        raise ValueError(f"{exc} (local_seq {local_seq} x {comm.world_size} ranks)") from None
-    resolved = make_layout(layout, comm.world_size, seq_len, documents=docs)
+        raise ValueError(f"{exc} (local_seq {local_seq} x {ranks} ranks)") from None
+    resolved = make_layout(layout, ranks, seq_len, documents=docs, ulysses=ulysses)
     kernel = resolve_backend(backend, q.device, q.dtype)
     scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
     signature = (
         batch, local_seq, q_heads, kv_heads, head_dim, _DTYPE_CODES[q.dtype], int(causal),
-        resolved.fingerprint, docs.fingerprint + 1 if docs is not None else 0,
+        ulysses, resolved.fingerprint, docs.fingerprint + 1 if docs is not None else 0,
     )
     return CheckedCall(resolved, scale, kernel, docs, signature)
 
 
 def agree_across_ranks(
     comm: RingComm, checked: CheckedCall | None, device: torch.device | None,
-    error: ValueError | None = None,
+    error: ValueError | None = None, ulysses: UlyssesComm | None = None,
 ) -> None:
     """Raise on every rank unless every rank passed its local check with the same signature.
 
     ``checked`` is ``None`` on a rank whose local check failed with ``error``; that rank
     re-raises its own error afterwards, and the others say which argument it rejected.
+    With ``ulysses`` (a group of more than one rank) the agreement spans the whole ring ×
+    Ulysses grid: Ulysses group first, then the ring (see the module docstring).
     """
-    if comm.world_size == 1:
+    size = ulysses.world_size if ulysses is not None else 1
+    if comm.world_size * size == 1:
         return
     fields = checked.signature if checked is not None else (0,) * len(_AGREED_FIELDS)
-    # The highest failing rank and the argument it rejected, packed so that MAX keeps both.
-    failed = 0 if checked is not None else (comm.rank + 1) * 64 + _argument_code(error)
+    # The highest failing rank of the grid (ring_index * U + ulysses_index) and the argument
+    # it rejected, packed so that MAX keeps both.
+    grid_rank = comm.rank * size + (ulysses.rank if ulysses is not None else 0)
+    failed = 0 if checked is not None else (grid_rank + 1) * 64 + _argument_code(error)
     # One MAX all-reduce gives both the largest and (negated) the smallest of every field.
     vector = torch.tensor([failed, *fields, *(-f for f in fields)], dtype=torch.int64)
-    if dist.get_backend(comm.group) == "nccl":
-        vector = vector.to(device if device is not None and device.type == "cuda" else "cuda")
-    result = comm.all_max(vector).tolist()
+    if size > 1:
+        vector = ulysses.all_max(_on_backend(vector, ulysses.group, device))
+    result = comm.all_max(_on_backend(vector, comm.group, device)).tolist()
     if checked is None:
         return
+    where = "ring" if size == 1 else "ring x ulysses grid"
     if result[0]:
         rank, code = divmod(result[0], 64)
         argument = f" ({_ARGUMENTS[code - 1]})" if code else ""
+        if size == 1:
+            raise ValueError(
+                f"ring_attention: rank {rank - 1} of the ring rejected its inputs{argument} "
+                f"(its own error says why); no block was sent"
+            )
+        ring_index, ulysses_index = divmod(rank - 1, size)
         raise ValueError(
-            f"ring_attention: rank {rank - 1} of the ring rejected its inputs{argument} (its "
-            f"own error says why); no block was sent"
+            f"ring_attention: rank {rank - 1} of the {where} (ring index {ring_index}, "
+            f"ulysses index {ulysses_index}) rejected its inputs{argument} (its own error "
+            f"says why); no block or all-to-all was sent"
         )
     width = len(_AGREED_FIELDS)
     for i, name in enumerate(_AGREED_FIELDS):
         high, low = result[1 + i], -result[1 + width + i]
         if high != low:
             values = "" if name in _CHECKSUM_FIELDS else f" (values from {low} to {high})"
+            also = ", ulysses degree" if size > 1 or name == "ulysses" else ""
             raise ValueError(
-                f"ring_attention: ranks disagree on {name}{values}; every rank of the ring "
-                f"must pass the same shapes, dtype, causal flag, layout and documents"
+                f"ring_attention: ranks disagree on {name}{values}; every rank of the {where} "
+                f"must pass the same shapes, dtype, causal flag, layout{also} and documents"
             )
+
+
+def _on_backend(vector: torch.Tensor, group: dist.ProcessGroup | None,
+                device: torch.device | None) -> torch.Tensor:
+    """``vector`` where ``group``'s backend reduces it (NCCL: on the GPU)."""
+    if dist.get_backend(group) == "nccl":
+        return vector.to(device if device is not None and device.type == "cuda" else "cuda")
+    return vector
 
 
 def _argument_code(error: ValueError | None) -> int:

@@ -26,6 +26,15 @@ counts the pairs visible under the document mask
 (:func:`~ringray.attention.document_work`), and the single-process ideal is one SDPA call
 per document (forward + backward) on the whole sequence: the least work that computes the
 same masked attention.
+
+With ``ulysses=U`` (``--ulysses U``) the ``world`` ranks form a ring of R = world / U members
+× Ulysses groups of U (:mod:`ringray.attention.ulysses`): each layout becomes the grid layout
+``make_layout(name, world, seq, ulysses=U)``, every rank attends H/U heads over its ring
+member's chunk, and the per-rank figures add the all-to-all seconds (all exposed: nothing
+computes while one runs) beside the ring's exposed time. The standalone transfer and the
+overlap are the ring's (its K/V block after the all-to-all: S/R positions, kv_heads / U heads
+or one repeated head), and the theoretical imbalance is the ring layout's over R (the U ranks
+of a group do equal work).
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from rich.table import Table
 
 from ringray.attention import (
     RingStats,
@@ -50,6 +60,12 @@ from ringray.attention import (
 )
 from ringray.attention.comm import RingComm, ring_transfer_seconds
 from ringray.attention.stats import imbalance_ratio, overlap_ratio
+from ringray.attention.ulysses import (
+    UlyssesComm,
+    check_ulysses_heads,
+    grid_groups,
+    ulysses_transfer_seconds,
+)
 from ringray.bench.gloo_ranks import run_gloo_ranks
 
 
@@ -67,6 +83,7 @@ class RingBenchConfig:
     dtype: str = "float32"
     batch: int = 1
     documents: str | None = None  # a document_lengths spec; None: one causal sequence
+    ulysses: int = 1  # ranks per Ulysses group (head all-to-all); the ring has world / ulysses
 
 
 @dataclass(frozen=True)
@@ -75,6 +92,9 @@ class RankResult:
     exposed_comm_seconds: float
     transfer_seconds: float  # the same exchanges with no compute
     bytes_sent: int
+    a2a_seconds: float = 0.0  # the Ulysses all-to-alls, forward + backward (all exposed)
+    a2a_bytes_sent: int = 0
+    a2a_transfer_seconds: float = 0.0  # the same all-to-alls with no compute around them
 
 
 @dataclass(frozen=True)
@@ -93,6 +113,12 @@ class LayoutResult:
     step_imbalance_theoretical: float
     single_process_seconds: float
     bytes_sent_per_rank: int
+    ulysses: int = 1
+    ring_size: int = 0  # R: world / ulysses
+    a2a_seconds: list[float] | None = None  # per rank, forward + backward
+    a2a_seconds_max: float = 0.0
+    a2a_bytes_sent_per_rank: int = 0
+    a2a_transfer_seconds: list[float] | None = None  # per rank: the all-to-alls alone
 
 
 def _inputs(cfg: RingBenchConfig):
@@ -134,29 +160,42 @@ def _rank_main(rank: int, world: int, cfg: RingBenchConfig) -> dict:
     single = None
     if rank == 0:
         single = _single_process_seconds(cfg, q, k, v, dout, documents)
+    ring_group, ulysses_group = grid_groups(cfg.ulysses) if cfg.ulysses > 1 else (None, None)
+    ring = RingComm(ring_group)
+    # The ring's K block after the all-to-all: the member's S/R positions, H_kv/U heads (or
+    # one repeated head); what the standalone transfer moves.
+    k_ring = torch.empty(cfg.batch, cfg.seq // ring.world_size,
+                         max(cfg.kv_heads // cfg.ulysses, 1), cfg.head_dim, dtype=q.dtype)
     dist.barrier()
     per_layout = {}
     for name in cfg.layouts:
-        layout = make_layout(name, world, cfg.seq, documents=documents)
+        layout = make_layout(name, world, cfg.seq, documents=documents, ulysses=cfg.ulysses)
         q_l, k_l, v_l, dout_l = (layout.shard(t, rank) for t in (q, k, v, dout))
         rows = []
         for i in range(cfg.warmup + cfg.iters):
             stats = RingStats()
             qg, kg, vg = (t.clone().requires_grad_() for t in (q_l, k_l, v_l))
             dist.barrier()
-            out = ring_attention(qg, kg, vg, layout=layout, causal=cfg.causal, stats=stats,
+            out = ring_attention(qg, kg, vg, ring_group, ulysses_group=ulysses_group,
+                                 layout=layout, causal=cfg.causal, stats=stats,
                                  documents=documents)
             out.backward(dout_l)
             totals = stats.totals()
-            transfer, _ = ring_transfer_seconds(RingComm(), k_l)
+            transfer, _ = ring_transfer_seconds(ring, k_ring)
+            a2a_alone = (ulysses_transfer_seconds(UlyssesComm(ulysses_group), q_l, k_l, v_l)
+                         if cfg.ulysses > 1 else 0.0)
             if i >= cfg.warmup:
                 rows.append(RankResult(totals.compute_seconds, totals.exposed_comm_seconds,
-                                       transfer, totals.bytes_sent))
+                                       transfer, totals.bytes_sent, totals.a2a_seconds,
+                                       totals.a2a_bytes_sent, a2a_alone))
         per_layout[name] = RankResult(
             compute_seconds=statistics.median(r.compute_seconds for r in rows),
             exposed_comm_seconds=statistics.median(r.exposed_comm_seconds for r in rows),
             transfer_seconds=statistics.median(r.transfer_seconds for r in rows),
             bytes_sent=rows[-1].bytes_sent,
+            a2a_seconds=statistics.median(r.a2a_seconds for r in rows),
+            a2a_bytes_sent=rows[-1].a2a_bytes_sent,
+            a2a_transfer_seconds=statistics.median(r.a2a_transfer_seconds for r in rows),
         )
     return {"single": single, "layouts": {n: asdict(r) for n, r in per_layout.items()}}
 
@@ -170,8 +209,10 @@ def summarize(cfg: RingBenchConfig, per_rank: list[dict]) -> list[LayoutResult]:
         compute = [r.compute_seconds for r in ranks]
         exposed = [r.exposed_comm_seconds for r in ranks]
         transfer = [r.transfer_seconds for r in ranks]
-        layout = make_layout(name, cfg.world, cfg.seq, documents=documents)
-        pairs = block_work(layout, documents, causal=cfg.causal)
+        a2a = [r.a2a_seconds for r in ranks]
+        layout = make_layout(name, cfg.world, cfg.seq, documents=documents,
+                             ulysses=cfg.ulysses)
+        pairs = block_work(layout.ring, documents, causal=cfg.causal)  # a group's ranks: equal
         work = [sum(row) for row in pairs]
         theoretical = max(work) / statistics.mean(work)
         overlap = min(overlap_ratio(e, t) for e, t in zip(exposed, transfer, strict=True))
@@ -191,6 +232,12 @@ def summarize(cfg: RingBenchConfig, per_rank: list[dict]) -> list[LayoutResult]:
                 step_imbalance_theoretical=step_imbalance(pairs),
                 single_process_seconds=single,
                 bytes_sent_per_rank=ranks[0].bytes_sent,
+                ulysses=cfg.ulysses,
+                ring_size=cfg.world // cfg.ulysses,
+                a2a_seconds=a2a,
+                a2a_seconds_max=max(a2a),
+                a2a_bytes_sent_per_rank=ranks[0].a2a_bytes_sent,
+                a2a_transfer_seconds=[r.a2a_transfer_seconds for r in ranks],
             )
         )
     return results
@@ -200,9 +247,49 @@ def run_ring_bench(cfg: RingBenchConfig) -> list[LayoutResult]:
     """Run the benchmark on ``cfg.world`` local gloo processes and summarise it."""
     documents = document_lengths(cfg.documents, cfg.seq) if cfg.documents else None
     for name in cfg.layouts:  # a bad --seq, layout or documents spec fails here, not in a rank
-        make_layout(name, cfg.world, cfg.seq, documents=documents)
+        make_layout(name, cfg.world, cfg.seq, documents=documents, ulysses=cfg.ulysses)
+    if cfg.ulysses > 1:
+        check_ulysses_heads(cfg.heads, cfg.kv_heads, cfg.ulysses)
     per_rank = run_gloo_ranks(cfg.world, _rank_main, cfg, timeout_seconds=3600)
     return summarize(cfg, per_rank)
+
+
+def ulysses_tables(results: list[LayoutResult]) -> list[Table]:
+    """A run with Ulysses as tables: per layout, each rank's ring compute, the ring's exposed
+    communication and its overlap, the all-to-alls' seconds and the same all-to-alls alone
+    (the difference is waiting for the group's slowest rank); then a summary."""
+    tables = []
+    for r in results:
+        table = Table(title=f"layout: {r.layout} (ring {r.ring_size} x ulysses {r.ulysses})",
+                      title_justify="left")
+        for col in ("rank", "ring, ulysses", "compute s", "ring exposed s", "ring alone s",
+                    "ring overlap", "a2a s", "a2a alone s"):
+            table.add_column(col, justify="right")
+        for rank, (c, e, t, a, alone) in enumerate(zip(
+            r.compute_seconds, r.exposed_comm_seconds, r.transfer_seconds, r.a2a_seconds or [],
+            r.a2a_transfer_seconds or [], strict=True,
+        )):
+            ring_index, ulysses_index = divmod(rank, r.ulysses)
+            table.add_row(str(rank), f"{ring_index}, {ulysses_index}", f"{c:.3f}", f"{e:.4f}",
+                          f"{t:.4f}", f"{overlap_ratio(e, t):.3f}", f"{a:.4f}", f"{alone:.4f}")
+        tables.append(table)
+    summary = Table(title="summary (compute = CPU seconds, forward + backward; a2a = wall "
+                    "seconds of the all-to-alls, all exposed; overlap = the ring's; imbalance "
+                    "= max/mean; work eff. = ranks' compute / 1-process SDPA)",
+                    title_justify="left")
+    for col in ("layout", "overlap", "imbal.", "imbal. theory", "work eff.", "max s",
+                "ring exp. s", "a2a s", "a2a MiB", "ring MiB", "SDPA s"):
+        summary.add_column(col, justify="right", no_wrap=True)
+    for r in results:
+        summary.add_row(
+            r.layout, f"{r.overlap_ratio:.3f}", f"{r.imbalance_measured:.3f}",
+            f"{r.imbalance_theoretical:.3f}", f"{r.work_efficiency:.3f}",
+            f"{r.compute_seconds_max:.3f}", f"{r.exposed_comm_seconds_max:.4f}",
+            f"{r.a2a_seconds_max:.4f}", f"{r.a2a_bytes_sent_per_rank / 2**20:.1f}",
+            f"{r.bytes_sent_per_rank / 2**20:.1f}", f"{r.single_process_seconds:.3f}",
+        )
+    tables.append(summary)
+    return tables
 
 
 DOCUMENT_SPECS = ("stdlib", "lognormal:MEAN", "fixed:LEN")

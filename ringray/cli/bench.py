@@ -19,7 +19,10 @@ app = typer.Typer(help="Benchmarks that print the project's measured figures.",
 
 @app.command("ring")
 def bench_ring(
-    world: int = typer.Option(4, "--world", min=1, help="Ring size: local gloo processes."),
+    world: int = typer.Option(4, "--world", min=1, help="Ranks: local gloo processes (ring "
+                              "size x --ulysses)."),
+    ulysses: int = typer.Option(1, "--ulysses", min=1, help="Ranks per Ulysses group (a head "
+                                "all-to-all around a ring of --world / --ulysses ranks)."),
     seq: int = typer.Option(16384, "--seq", min=1, help="Total sequence length (tokens)."),
     heads: int = typer.Option(8, "--heads", min=1, help="Query heads."),
     kv_heads: int = typer.Option(2, "--kv-heads", min=1, help="Key/value heads (GQA)."),
@@ -48,24 +51,32 @@ def bench_ring(
         fail("--layouts: give at least one of zigzag, striped, contiguous, balanced")
     if heads % kv_heads:
         fail(f"--kv-heads: {kv_heads} must divide --heads {heads}")
+    if world % ulysses:
+        fail(f"--ulysses: {ulysses} must divide --world {world} (the ring has world / ulysses "
+             f"ranks)")
     cfg = RingBenchConfig(world=world, seq=seq, heads=heads, kv_heads=kv_heads,
                           head_dim=head_dim, layouts=names, causal=not full, iters=iters,
-                          documents=documents)
+                          documents=documents, ulysses=ulysses)
     try:
         from ringray.attention import make_layout
+        from ringray.attention.ulysses import check_ulysses_heads
 
+        if ulysses > 1:
+            check_ulysses_heads(heads, kv_heads, ulysses)
         lengths = document_lengths(documents, seq) if documents else None
         for name in names:
-            make_layout(name, world, seq, documents=lengths)
+            make_layout(name, world, seq, documents=lengths, ulysses=ulysses)
     except ValueError as exc:
         message = str(exc)
-        fail(f"--documents:{message.removeprefix('documents:')}"
-             if message.startswith("documents:") else message)
+        flag = {"documents:": "--documents:", "q:": "--heads:", "k:": "--kv-heads:"}
+        prefix = next((p for p in flag if message.startswith(p)), None)
+        fail(f"{flag[prefix]}{message.removeprefix(prefix)}" if prefix else message)
     packed = f", {len(lengths)} documents ({documents})" if lengths else ""
+    grid = f" (ring {world // ulysses} x ulysses {ulysses})" if ulysses > 1 else ""
     err.print(
-        f"ring attention: {world} gloo ranks x 1 thread, seq {seq}, heads {heads}/{kv_heads}, "
-        f"head_dim {head_dim}, {'full' if full else 'causal'}{packed}, layouts "
-        f"{', '.join(names)}",
+        f"ring attention: {world} gloo ranks{grid} x 1 thread, seq {seq}, heads "
+        f"{heads}/{kv_heads}, head_dim {head_dim}, {'full' if full else 'causal'}{packed}, "
+        f"layouts {', '.join(names)}",
         highlight=False,
     )
     with err.status("running (single-process SDPA reference, then each layout)..."):
@@ -73,6 +84,12 @@ def bench_ring(
     if as_json:
         json.dump([asdict(r) for r in results], sys.stdout, indent=2)
         sys.stdout.write("\n")
+        return
+    if ulysses > 1:
+        from ringray.bench.ring import ulysses_tables
+
+        for table in ulysses_tables(results):  # the summary needs more than 80 columns
+            Console(width=max(Console().width, 132)).print(table)
         return
     _print_ring_tables(results, per_document=documents is not None)
 
