@@ -8,7 +8,7 @@ random permutation), causal and full, GQA (4 query heads on 2 kv heads), float32
 bfloat16 cases. Forward output and LSE, and dQ/dK/dV given the final LSE and ``delta``, as
 the ring calls them. Rows that see no key must come out exactly: lse -inf, output 0, zero
 gradients. And the tile skipping must be visible: fewer tile pairs visited with documents
-than without.
+than without, and pairs inside one document computed unmasked.
 
 Tolerances: float32 1e-5 (forward) and 2e-5 (gradients), absolute and relative; bfloat16
 output within 1e-2 and gradients within 2% of each gradient's largest magnitude (the
@@ -137,26 +137,28 @@ def test_rows_that_see_no_key_are_exactly_empty() -> None:
 
 
 def _visits(q_pos, k_pos, docs, causal):
-    """(forward, dK/dV, dQ) tile pairs visited for one block pair, 32 × 32 tiles."""
+    """Tile pairs visited for one block pair in 32 × 32 tiles: ``[forward full, forward
+    straddling, backward full, backward straddling]``."""
     n = len(q_pos)
     q, k, v, dout = (torch.randn(1, 1, n, 16) for _ in range(4))
     lse, delta = torch.zeros(1, 1, n), torch.zeros(1, 1, n)
-    forward = torch.zeros(1, dtype=torch.int32)
+    forward = torch.zeros(2, dtype=torch.int32)
     backward = torch.zeros(2, dtype=torch.int32)
     tile = TileConfig(32, 32)
     triton_forward.block_forward(q, k, v, q_pos, k_pos, causal=causal, scale=0.25,
                                  visits=forward, config=tile, **docs)
     triton_backward.block_backward(dout, q, k, v, lse, delta, q_pos, k_pos, causal=causal,
-                                   scale=0.25, visits=backward, configs=(tile, tile), **docs)
-    return [forward.item(), *backward.tolist()]
+                                   scale=0.25, visits=backward, config=tile, **docs)
+    return [*forward.tolist(), *backward.tolist()]
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_documents_skip_tiles(causal) -> None:
     """The own block of a contiguous rank (256 tokens, 8 × 8 tiles) holding 64-token
-    documents: each document covers 2 × 2 tiles, so with documents every kernel visits
-    only the 8 × 4 (full) or 8 × 3 (causal) tile pairs on the block diagonal, against 64
-    (full) or 36 (causal) without. Both counts are reported."""
+    documents: each document covers 2 × 2 tiles, so with documents the kernels visit only
+    the 4 × 4 = 16 tile pairs on the block diagonal (full), or 4 × 3 = 12 (causal: each
+    document's 2 diagonal tiles straddle, the one below them is full), against 64 (full) or
+    28 full + 8 straddling (causal) without. Both counts are reported."""
     seq, world = 1024, 4
     documents = check_documents([64] * (seq // 64), seq)
     layout = make_layout("contiguous", world, seq)
@@ -164,17 +166,18 @@ def test_documents_skip_tiles(causal) -> None:
     doc_ids = documents.ids[pos]
     without = _visits(pos, pos, {}, causal)
     with_docs = _visits(pos, pos, {"q_doc": doc_ids, "k_doc": doc_ids}, causal)
-    print(f"tile pairs visited (forward, dK/dV, dQ), {'causal' if causal else 'full'}: "
-          f"without documents {without}, with documents {with_docs}")
-    assert without == ([36, 36, 36] if causal else [64, 64, 64])
-    assert with_docs == ([12, 12, 12] if causal else [16, 16, 16])
+    print(f"tile pairs visited (forward full, straddling, backward full, straddling), "
+          f"{'causal' if causal else 'full'}: without documents {without}, with documents "
+          f"{with_docs}")
+    assert without == ([28, 8, 28, 8] if causal else [64, 0, 64, 0])
+    assert with_docs == ([4, 8, 4, 8] if causal else [16, 0, 16, 0])
 
 
 def test_cross_document_block_visits_nothing() -> None:
     """A key block whose documents no query shares is skipped tile by tile: zero visits,
-    where the causal rule alone would visit every tile (the keys all come first)."""
+    where the causal rule alone would visit every tile, unmasked (the keys all come first)."""
     documents = check_documents([128, 128], 256)
     q_pos, k_pos = torch.arange(128, 256), torch.arange(0, 128)
     docs = {"q_doc": documents.ids[q_pos], "k_doc": documents.ids[k_pos]}
-    assert _visits(q_pos, k_pos, {}, True) == [16, 16, 16]
-    assert _visits(q_pos, k_pos, docs, True) == [0, 0, 0]
+    assert _visits(q_pos, k_pos, {}, True) == [16, 0, 16, 0]
+    assert _visits(q_pos, k_pos, docs, True) == [0, 0, 0, 0]

@@ -134,17 +134,38 @@ def test_fused_merge_equals_attention_over_both_blocks() -> None:
 
 
 def test_striped_step_visits_about_half_the_tiles() -> None:
-    """Striped's shifted diagonal (rank 0's queries over rank 1's keys) is a causal square:
-    the kernel computes about half of the (query tile, key tile) pairs of a full step."""
+    """Striped's shifted diagonal (rank 0's queries, positions 4i, over rank 1's keys,
+    4j + 1) is a strictly lower causal triangle: of the 8 × 8 tile pairs of a full step the
+    kernel computes the 28 below the diagonal unmasked and the 8 on it masked, and never
+    visits the 28 above it."""
     seq, world = 1024, 4
     layout = make_layout("striped", world, seq)
     q, k, v = (torch.randn(1, 1, seq // world, 64) for _ in range(3))
     counts = {}
     for causal in (True, False):
-        visits = torch.zeros(1, dtype=torch.int32)
+        visits = torch.zeros(2, dtype=torch.int32)
         triton_forward.block_forward(q, k, v, layout.positions(0), layout.positions(1),
                                      causal=causal, scale=0.125, visits=visits,
                                      config=TileConfig(32, 32))
-        counts[causal] = visits.item()
-    assert counts[False] == 8 * 8
-    assert 0.45 <= counts[True] / counts[False] <= 0.6, counts
+        counts[causal] = visits.tolist()
+    assert counts == {False: [64, 0], True: [28, 8]}
+
+
+def test_full_attention_masks_only_the_short_last_tile(monkeypatch) -> None:
+    """Without a mask (full attention, no documents) the kernel builds no tile lists: the
+    loop bounds are arithmetic, every key tile is full but the one that runs past the end
+    of the 40-key block, which is masked (one each per query tile and head)."""
+    from ringray.attention.backends import triton_tiles
+
+    def no_lists(*args, **kwargs):
+        raise AssertionError("tile lists built for an unmasked block pair")
+
+    monkeypatch.setattr(triton_tiles, "build_tile_lists", no_lists)
+    q, k, v = _inputs(4, 2, 64, torch.float32)
+    pos = torch.arange(40)
+    visits = torch.zeros(2, dtype=torch.int32)
+    out, _ = triton_forward.block_forward(q, k, v, pos, pos, causal=False, scale=0.125,
+                                          visits=visits, config=TileConfig(32, 32))
+    assert visits.tolist() == [2 * 2 * 4, 2 * 2 * 4]  # 2 query tiles × batch 2 × 4 heads
+    want, _ = _reference(q, k, v, pos, pos, False, 0.125)
+    torch.testing.assert_close(out, want.float(), atol=1e-5, rtol=1e-5)

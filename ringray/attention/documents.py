@@ -8,7 +8,7 @@ is a contiguous range of global positions, so query ``q`` may see key ``k`` exac
     doc(q) == doc(k)  and  (not causal or q >= k)
 
 which is the one rule every backend applies (:func:`~.backends.common.position_mask` on
-tensors, :func:`~.backends.triton_common.classify_tile_pair` and ``visible`` in the Triton
+tensors, :func:`~.tiles.classify_tile_pair` and ``visible`` in the Triton
 kernels) and that the step planner (:mod:`.steps`) turns into kernel calls.
 
     docs = check_documents([5, 1, 10], seq_len=16)

@@ -42,7 +42,7 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
-from ringray.attention.backends import BlockAttentionBackend, FusedStepBackend
+from ringray.attention.backends import BlockAttentionBackend, BlockPairKey, FusedStepBackend
 from ringray.attention.backends.common import accumulation_dtype, softmax_delta
 from ringray.attention.comm import PendingExchange, RingComm
 from ringray.attention.documents import Documents
@@ -154,11 +154,14 @@ def _kernel_args(piece: Piece, layout: Layout, q_rank: int, k_rank: int,
     return {"kind": piece.kind, **mask}
 
 
+@lru_cache(maxsize=16)
 def _device_tokens(
     layout: Layout, documents: Documents | None, device: torch.device
 ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor | None, ...]]:
     """Every rank's global positions and document indices (``None`` without documents) as
-    int32 on ``device``: moved once per ring call, for a fused-step backend."""
+    int32 on ``device``, for a fused-step backend. Cached: layouts are immutable (and
+    memoised by ``make_layout``) and documents hashable, so a training step's layers and
+    recomputations reuse one copy instead of moving them host to device per call."""
     ranks = range(layout.world_size)
     positions = tuple(layout.positions(r).to(device=device, dtype=torch.int32) for r in ranks)
     if documents is None:
@@ -215,6 +218,7 @@ class _RingAttention(torch.autograd.Function):
                         q_t, kv_block[0], kv_block[1], out, lse, causal=causal, scale=scale,
                         q_pos=positions[rank], k_pos=positions[source],
                         q_doc=doc_ids[rank], k_doc=doc_ids[source],
+                        key=BlockPairKey(layout, rank, source, documents),
                     )
             else:
                 _forward_pieces(kernel, plan.pieces[source], q_t, kv_block, out, lse, touched,
@@ -270,6 +274,7 @@ class _RingAttention(torch.autograd.Function):
                         dq, dkv_partial[0], dkv_partial[1], causal=causal, scale=scale,
                         q_pos=positions[rank], k_pos=positions[block],
                         q_doc=doc_ids[rank], k_doc=doc_ids[block],
+                        key=BlockPairKey(layout, rank, block, documents),
                     )
             else:
                 _backward_pieces(kernel, plan.pieces[block], dout_t, q_t, kv_block, out_t, lse,

@@ -40,6 +40,7 @@ import torch
 
 from ringray.attention.documents import Documents
 from ringray.attention.layouts import Layout, Run
+from ringray.attention.tiles import classify_tile_pair, tile_ranges
 
 # With documents: a block pair is planned segment by segment when its same-document segment
 # pairs (about one kernel call each) are at most MIN_SEGMENT_PAIRS, or at most
@@ -280,39 +281,6 @@ def _segments(layout: Layout, rank: int, documents: Documents) -> dict[int, list
     return segments
 
 
-def classify_tiles(
-    q_pos: torch.Tensor, q_doc: torch.Tensor, k_pos: torch.Tensor, k_doc: torch.Tensor,
-    causal: bool, tile: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(runs, full)`` bool ``(query tiles, key tiles)`` matrices from the tiles' position
-    and document ranges: a pair runs unless it is wholly across documents or (causal) every
-    key comes after every query; it is full when every query sees every key. The planner's
-    form of the rule the Triton kernels apply per tile pair
-    (:func:`~.backends.triton_common.classify_tile_pair`)."""
-    q_lo, q_hi = _tile_bounds(q_pos, tile)
-    k_lo, k_hi = _tile_bounds(k_pos, tile)
-    qd_lo, qd_hi = _tile_bounds(q_doc, tile)
-    kd_lo, kd_hi = _tile_bounds(k_doc, tile)
-    runs = (kd_lo[None, :] <= qd_hi[:, None]) & (kd_hi[None, :] >= qd_lo[:, None])
-    one_doc = (qd_lo == qd_hi)[:, None] & (kd_lo == kd_hi)[None, :] & (
-        qd_lo[:, None] == kd_lo[None, :])
-    if causal:
-        runs &= k_lo[None, :] <= q_hi[:, None]
-        return runs, one_doc & (k_hi[None, :] <= q_lo[:, None])
-    return runs, one_doc
-
-
-def _tile_bounds(values: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-tile minimum and maximum of ``values`` (the last tile may be short)."""
-    n = values.numel()
-    tiles = -(-n // tile)
-    lo = torch.full((tiles * tile,), torch.iinfo(torch.int64).max, dtype=torch.int64)
-    hi = torch.full((tiles * tile,), torch.iinfo(torch.int64).min, dtype=torch.int64)
-    lo[:n] = values
-    hi[:n] = values
-    return lo.view(tiles, tile).amin(1), hi.view(tiles, tile).amax(1)
-
-
 def plan_tiles(
     q_pos: torch.Tensor, q_doc: torch.Tensor, k_pos: torch.Tensor, k_doc: torch.Tensor,
     causal: bool, tile: int = PLAN_TILE,
@@ -320,8 +288,10 @@ def plan_tiles(
     """Pieces for a block pair cut into ``tile`` × ``tile`` tiles (local indices): runs of
     ``FULL`` or ``MASKED`` tiles along a tile row become one piece, and identical pieces of
     consecutive tile rows join; skipped tiles are no piece at all."""
-    runs, full = classify_tiles(q_pos, q_doc, k_pos, k_doc, causal, tile)
-    kinds = (runs.long() + full.long()).tolist()  # 0 skip, 1 masked, 2 full
+    runs, straddles = classify_tile_pair(tile_ranges(_int32(q_pos), _int32(q_doc), tile),
+                                         tile_ranges(_int32(k_pos), _int32(k_doc), tile),
+                                         causal)
+    kinds = (runs.long() * (2 - straddles.long())).tolist()  # 0 skip, 1 masked, 2 full
     q_len, k_len = len(q_pos), len(k_pos)
     pieces: list[Piece] = []
     last_of: dict[tuple[PieceKind, int, int], int] = {}  # piece that may grow downwards
@@ -344,3 +314,7 @@ def plan_tiles(
                     pieces.append(Piece(kind, q0, q1, k0, k1))
             col = end
     return tuple(sorted(pieces, key=lambda p: (p.q_start, p.k_start)))
+
+
+def _int32(values: torch.Tensor) -> torch.Tensor:
+    return values.to(torch.int32)

@@ -123,21 +123,31 @@ def _inputs(cfg: KernelBenchConfig, seq: int, device: torch.device, seed: int = 
     return randn(cfg.heads), randn(cfg.kv_heads), randn(cfg.kv_heads), randn(cfg.heads)
 
 
+def _one_block(seq: int, device: torch.device):
+    """Positions of one whole sequence and the tile-list key that names them (a one-rank
+    contiguous layout), so that timed calls reuse cached tile lists as ring steps do."""
+    from ringray.attention.backends.common import BlockPairKey
+
+    pos = torch.arange(seq, device=device, dtype=torch.int32)
+    return pos, BlockPairKey(make_layout("contiguous", 1, seq), 0, 0)
+
+
 def _time_triton(cfg, q, k, v, dout, causal) -> tuple[float, float]:
     from ringray.attention.backends.triton_backward import block_backward
     from ringray.attention.backends.triton_forward import block_forward
 
     scale = cfg.head_dim**-0.5
-    pos = torch.arange(q.shape[2], device=q.device, dtype=torch.int32)
+    pos, key = _one_block(q.shape[2], q.device)
     forward_ms = cuda_median_ms(
-        lambda: block_forward(q, k, v, pos, pos, causal=causal, scale=scale),
+        lambda: block_forward(q, k, v, pos, pos, causal=causal, scale=scale, key=key),
         cfg.warmup, cfg.iters)
-    out, lse = block_forward(q, k, v, pos, pos, causal=causal, scale=scale)
+    out, lse = block_forward(q, k, v, pos, pos, causal=causal, scale=scale, key=key)
     out = out.to(q.dtype)
 
     def backward() -> None:
         delta = softmax_delta(dout, out)
-        block_backward(dout, q, k, v, lse, delta, pos, pos, causal=causal, scale=scale)
+        block_backward(dout, q, k, v, lse, delta, pos, pos, causal=causal, scale=scale,
+                       key=key)
 
     return forward_ms, cuda_median_ms(backward, cfg.warmup, cfg.iters)
 
@@ -192,6 +202,7 @@ def run_speed(cfg: KernelBenchConfig) -> list[SpeedRow]:
 
 def _virtual_ring_steps(cfg, q, k, v, dout, causal, layout_name):
     """Closures running the virtual ring's forward and backward over all N 'ranks'."""
+    from ringray.attention.backends.common import BlockPairKey
     from ringray.attention.backends.triton import TritonBackend
 
     blocks, seq = cfg.ring_blocks, q.shape[2]
@@ -214,7 +225,8 @@ def _virtual_ring_steps(cfg, q, k, v, dout, causal, layout_name):
             lse = torch.full(q_r[r].shape[:3], float("-inf"), device=q.device)
             for src in visits[r]:
                 kernel.forward_into(q_r[r], k_r[src], v_r[src], out, lse, causal=causal,
-                                    scale=scale, q_pos=pos[r], k_pos=pos[src])
+                                    scale=scale, q_pos=pos[r], k_pos=pos[src],
+                                    key=BlockPairKey(layout, r, src))
             outs.append(out.to(q.dtype))
             lses.append(lse)
         state["out"], state["lse"] = outs, lses
@@ -229,7 +241,8 @@ def _virtual_ring_steps(cfg, q, k, v, dout, causal, layout_name):
             for src in visits[r]:
                 kernel.backward_into(dout_r[r], q_r[r], k_r[src], v_r[src], state["lse"][r],
                                      delta, dq, dks[src], dvs[src], causal=causal,
-                                     scale=scale, q_pos=pos[r], k_pos=pos[src])
+                                     scale=scale, q_pos=pos[r], k_pos=pos[src],
+                                     key=BlockPairKey(layout, r, src))
 
     return forward, backward
 
@@ -333,7 +346,7 @@ def run_smoke(device: torch.device) -> list[SmokeRow]:
 
 @dataclass(frozen=True)
 class SweepRow:
-    kernel: str  # forward | backward_dkdv | backward_dq
+    kernel: str  # forward | backward
     block_m: int
     block_n: int
     num_warps: int
@@ -345,19 +358,19 @@ class SweepRow:
 def _candidates(kernel: str):
     from ringray.attention.backends.triton_config import TileConfig
 
-    shapes = {
+    shapes = {  # (block_m candidates, block_n candidates)
         "forward": ((64, 128), (32, 64, 128)),
-        "backward_dkdv": ((16, 32, 64), (64, 128)),
-        "backward_dq": ((64, 128), (32, 64)),
+        "backward": ((16, 32, 64), (64, 128)),  # block_n keys resident per program
     }[kernel]
+    # Stages matter in the unmasked main loop over full tiles, which holds most of the work.
     return [TileConfig(m, n, w, s) for m in shapes[0] for n in shapes[1]
-            for w in (4, 8) for s in (2, 3, 4)]
+            for w in (4, 8) for s in (2, 3, 4, 5)]
 
 
 def run_sweep(cfg: KernelBenchConfig, seq: int, causal: bool) -> list[SweepRow]:
-    """Time every candidate launch shape of each kernel at one (seq, mask), the others at
-    their table entry: the data to re-derive :mod:`~ringray.attention.backends.triton_config`
-    on this GPU. The backward rows time the whole backward."""
+    """Time every candidate launch shape of each kernel at one (seq, mask): the data to
+    re-derive :mod:`~ringray.attention.backends.triton_config` on this GPU. Tile lists are
+    cached per tile shape, so each candidate builds its own once, in its warmup."""
     from triton import CompilationError
     from triton.runtime.errors import OutOfResources
 
@@ -369,22 +382,20 @@ def run_sweep(cfg: KernelBenchConfig, seq: int, causal: bool) -> list[SweepRow]:
     q, k, v, dout = _inputs(cfg, seq, device)
     table = kernel_configs(cfg.head_dim, q.dtype, device)
     scale = cfg.head_dim**-0.5
-    pos = torch.arange(seq, device=device, dtype=torch.int32)
-    out, lse = block_forward(q, k, v, pos, pos, causal=causal, scale=scale)
+    pos, key = _one_block(seq, device)
+    out, lse = block_forward(q, k, v, pos, pos, causal=causal, scale=scale, key=key)
     delta = softmax_delta(dout, out.to(q.dtype))
     rows = []
-    for kernel in ("forward", "backward_dkdv", "backward_dq"):
+    for kernel in ("forward", "backward"):
         for cand in _candidates(kernel):
             if kernel == "forward":
                 def run(c=cand):
-                    block_forward(q, k, v, pos, pos, causal=causal, scale=scale, config=c)
+                    block_forward(q, k, v, pos, pos, causal=causal, scale=scale, key=key,
+                                  config=c)
             else:
-                pair = ((cand, table.backward_dq) if kernel == "backward_dkdv"
-                        else (table.backward_dkdv, cand))
-
-                def run(p=pair):
+                def run(c=cand):
                     block_backward(dout, q, k, v, lse, delta, pos, pos, causal=causal,
-                                   scale=scale, configs=p)
+                                   scale=scale, key=key, config=c)
             try:
                 ms = cuda_median_ms(run, cfg.warmup, cfg.iters)
             except (OutOfResources, CompilationError):

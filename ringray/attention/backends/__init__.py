@@ -29,6 +29,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from ringray.attention.backends.common import BlockPairKey
 from ringray.attention.backends.reference import ReferenceBackend
 from ringray.attention.backends.sdpa import SdpaBackend
 from ringray.attention.steps import PieceKind
@@ -72,7 +73,9 @@ class FusedStepBackend(Protocol):
     Positions are the blocks' global token positions (int32 on the tensors' device); the
     causal rule ``q_pos >= k_pos`` is applied by the kernel, and with packed documents
     ``q_doc``/``k_doc`` (the tokens' document indices, int32) confine attention to a
-    document. Accumulators are float32:
+    document. ``key`` names the block pair's tokens (:class:`~.common.BlockPairKey`) so a
+    backend may cache what it derives from them (Triton's tile lists). Accumulators are
+    float32:
     ``out``/``dq`` ``(B, Hq, Sq, D)``, ``lse``/``delta`` ``(B, Hq, Sq)``, ``dk``/``dv``
     ``(B, Hkv, Sk, D)``.
     """
@@ -82,6 +85,7 @@ class FusedStepBackend(Protocol):
         out: torch.Tensor, lse: torch.Tensor, *, causal: bool, scale: float,
         q_pos: torch.Tensor, k_pos: torch.Tensor,
         q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None,
+        key: BlockPairKey | None = None,
     ) -> None:
         """Merge this block's attention into ``(out, lse)`` (initially 0 / -inf) in place."""
         ...
@@ -92,6 +96,7 @@ class FusedStepBackend(Protocol):
         dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *,
         causal: bool, scale: float, q_pos: torch.Tensor, k_pos: torch.Tensor,
         q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None,
+        key: BlockPairKey | None = None,
     ) -> None:
         """Add this block's gradients to ``dq, dk, dv``, given the final ``lse`` and
         ``delta = rowsum(dout * out)`` (:func:`~.common.softmax_delta`)."""

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from ringray.attention.documents import Documents
+    from ringray.attention.layouts import Layout
 
 
 def expand_kv_heads(x: torch.Tensor, q_heads: int) -> torch.Tensor:
@@ -44,3 +51,18 @@ def softmax_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     backward's per-row term, over the *final* output. A ring computes it once per call."""
     acc = accumulation_dtype(dout.dtype)
     return torch.einsum("...sd,...sd->...s", dout.to(acc), out.to(acc))
+
+
+@dataclass(frozen=True)
+class BlockPairKey:
+    """Names the tokens of one ring step's block pair, for the cache: the queries are
+    ``layout.positions(q_rank)``, the keys ``layout.positions(k_rank)``, and with
+    ``documents`` their document indices are ``documents.ids`` at those positions. The
+    caller promises that the tensors it passes along are exactly those. Layouts are
+    immutable and compare by identity (``make_layout`` memoises them); documents compare by
+    their lengths."""
+
+    layout: Layout
+    q_rank: int
+    k_rank: int
+    documents: Documents | None = None

@@ -12,8 +12,11 @@ Two ways in:
   path whenever a backend offers it: one kernel launch per step and direction instead of
   one per planned piece plus a merge pass.
 
-Tile classification from positions (skip / full / straddling, see :mod:`.triton_forward`)
+Tile classification from positions (empty / full / straddling, see :mod:`.triton_tiles`)
 replaces the planner's pieces, so every layout, regular or not, runs without a dense mask.
+The fused methods take an optional ``key`` (:class:`~.common.BlockPairKey`: layout,
+query rank, key rank, documents) naming the block pair's tokens; with it, the tile lists are
+built once per block pair, tile shape and device and then come from a cache.
 
 Runs on CUDA (float16, bfloat16, float32) and, for tests, on CPU in Triton's interpreter
 when ``TRITON_INTERPRET=1`` was set before the kernels were defined.
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ringray.attention.backends.common import softmax_delta
+from ringray.attention.backends.common import BlockPairKey, softmax_delta
 from ringray.attention.backends.triton_backward import block_backward
 from ringray.attention.backends.triton_common import SUPPORTED_DTYPES, kernels_interpreted
 from ringray.attention.backends.triton_forward import block_forward
@@ -54,9 +57,10 @@ class TritonBackend:
         out: torch.Tensor, lse: torch.Tensor, *, causal: bool, scale: float,
         q_pos: torch.Tensor, k_pos: torch.Tensor,
         q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None,
+        key: BlockPairKey | None = None,
     ) -> None:
         block_forward(q, k, v, q_pos, k_pos, causal=causal, scale=scale, q_doc=q_doc,
-                      k_doc=k_doc, out=out, lse=lse)
+                      k_doc=k_doc, out=out, lse=lse, key=key)
 
     def backward_into(
         self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -64,9 +68,10 @@ class TritonBackend:
         dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *,
         causal: bool, scale: float, q_pos: torch.Tensor, k_pos: torch.Tensor,
         q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None,
+        key: BlockPairKey | None = None,
     ) -> None:
         block_backward(dout, q, k, v, lse, delta, q_pos, k_pos, causal=causal, scale=scale,
-                       q_doc=q_doc, k_doc=k_doc, dq=dq, dk=dk, dv=dv)
+                       q_doc=q_doc, k_doc=k_doc, dq=dq, dk=dk, dv=dv, key=key)
 
 
 def _piece_mask(kind: PieceKind, q: torch.Tensor, k: torch.Tensor,

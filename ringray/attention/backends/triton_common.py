@@ -1,14 +1,11 @@
 """Pieces shared by the Triton forward and backward kernels.
 
 - :func:`mma`: the one matrix multiply both kernels use, ``acc + a @ b`` in float32.
-- :func:`tile_ranges` and :class:`TokenTiles`: the compact description of a block's tokens
-  (positions, document indices, their per-tile ranges) the kernels classify tiles with.
-- :func:`classify_tile_pair`: the one rule that says which (query, key) tile pairs run, and
-  which of those need the per-token mask (forward, dK/dV and dQ all ask it); with packed
-  documents it also reads the tiles' document ranges.
 - :func:`load_tokens` and :func:`visible`: the per-token mask of a straddling tile pair
   (``q_pos >= k_pos`` when causal, equal document indices with documents).
 - :func:`dot_mode`: how ``mma`` multiplies for a dtype on a device (see below).
+- :class:`KernelLaunch`: one launch's grid and arguments, built apart from running it (so
+  that :mod:`.triton_inspect` can compile exactly what would run).
 - :func:`kernels_interpreted`: whether the kernels run in Triton's interpreter (CPU).
 
 Why ``mma`` can upcast: Triton's interpreter (``TRITON_INTERPRET=1``, the only way these
@@ -50,40 +47,6 @@ def mma(a, b, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def classify_tile_pair(QMIN, QMAX, KMIN, KMAX, QDMIN, QDMAX, KDMIN, KDMAX, tile_m, tile_n,
-                       CAUSAL: tl.constexpr, DOCS: tl.constexpr):
-    """``(runs, straddles)`` for query tile ``tile_m`` and key tile ``tile_n``, from the
-    tiles' position ranges (``QMIN``... , :func:`tile_ranges`) under the causal rule
-    ``q_pos >= k_pos`` when ``CAUSAL``, and from their document-index ranges (``QDMIN``...)
-    when ``DOCS`` (a query sees only keys of its own document).
-
-    ``runs`` is false when every key comes after every query, or every key lies in another
-    document than every query: the pair is empty, skipped without loading anything.
-    ``straddles`` is true unless every query sees every key (one document on both sides
-    and, causal, every key at or before every query): then the scores need the per-token
-    mask (:func:`visible`); a pair that runs and does not straddle is computed unmasked.
-    The step planner's form of this rule is ``ringray.attention.steps.classify_tiles``.
-    """
-    runs = tile_n >= 0  # true, as a tensor like the comparisons below
-    straddles = tile_n < 0
-    if CAUSAL:
-        q_lo = tl.load(QMIN + tile_m)
-        q_hi = tl.load(QMAX + tile_m)
-        k_lo = tl.load(KMIN + tile_n)
-        k_hi = tl.load(KMAX + tile_n)
-        runs = k_lo <= q_hi
-        straddles = k_hi > q_lo
-    if DOCS:
-        qd_lo = tl.load(QDMIN + tile_m)
-        qd_hi = tl.load(QDMAX + tile_m)
-        kd_lo = tl.load(KDMIN + tile_n)
-        kd_hi = tl.load(KDMAX + tile_n)
-        runs = runs & (kd_lo <= qd_hi) & (kd_hi >= qd_lo)
-        straddles = straddles | (qd_lo != qd_hi) | (kd_lo != kd_hi) | (qd_lo != kd_lo)
-    return runs, straddles
-
-
-@triton.jit
 def load_tokens(POS, DOC, idx, ok, other, CAUSAL: tl.constexpr, DOCS: tl.constexpr):
     """``(positions, document indices)`` of tokens ``idx`` (``other`` where not ``ok``), for
     :func:`visible`; the one a mode does not compare is ``idx`` itself, never read."""
@@ -121,59 +84,20 @@ def padded_head_dim(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def tile_ranges(positions: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-tile minimum and maximum of int32 ``positions`` (global positions or document
-    indices; the last tile may be short), int32."""
-    n = positions.numel()
-    tiles = -(-n // block)
-    padded_min = torch.full((tiles * block,), torch.iinfo(torch.int32).max, dtype=torch.int32,
-                            device=positions.device)
-    padded_max = torch.full((tiles * block,), -1, dtype=torch.int32, device=positions.device)
-    padded_min[:n] = positions
-    padded_max[:n] = positions
-    return (padded_min.view(tiles, block).amin(1).contiguous(),
-            padded_max.view(tiles, block).amax(1).contiguous())
-
-
 def positions_int32(positions: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Global positions as the contiguous int32 device tensor the kernels read."""
+    """Global positions (or document indices) as the contiguous int32 device tensor the
+    kernels read; no copy when they already are (what the ring passes)."""
     return positions.to(device=device, dtype=torch.int32).contiguous()
 
 
 @dataclass(frozen=True)
-class TokenTiles:
-    """One side of a block pair as the kernels see it: the tokens' global positions and
-    document indices (contiguous int32 on the device) and their per-tile minima and maxima.
-    Without documents the document fields repeat the position fields (never read)."""
+class KernelLaunch:
+    """A kernel launch without the kernel: ``kernel[grid](*args, **kwargs)``. ``kwargs``
+    holds the constexpr parameters and ``num_warps``/``num_stages``."""
 
-    pos: torch.Tensor
-    pos_min: torch.Tensor
-    pos_max: torch.Tensor
-    doc: torch.Tensor
-    doc_min: torch.Tensor
-    doc_max: torch.Tensor
-
-    @property
-    def num_tiles(self) -> int:
-        return self.pos_min.numel()
-
-
-def token_tiles(positions: torch.Tensor, documents: torch.Tensor | None, block: int,
-                device: torch.device) -> TokenTiles:
-    """:class:`TokenTiles` of a block cut into tiles of ``block`` tokens."""
-    pos = positions_int32(positions, device)
-    pos_min, pos_max = tile_ranges(pos, block)
-    if documents is None:
-        return TokenTiles(pos, pos_min, pos_max, pos, pos_min, pos_max)
-    doc = positions_int32(documents, device)
-    return TokenTiles(pos, pos_min, pos_max, doc, *tile_ranges(doc, block))
-
-
-def tile_args(q: TokenTiles, k: TokenTiles) -> tuple[torch.Tensor, ...]:
-    """The kernels' token arguments, in their order: ``QPOS, KPOS, QMIN, QMAX, KMIN, KMAX,
-    QDOC, KDOC, QDMIN, QDMAX, KDMIN, KDMAX``."""
-    return (q.pos, k.pos, q.pos_min, q.pos_max, k.pos_min, k.pos_max,
-            q.doc, k.doc, q.doc_min, q.doc_max, k.doc_min, k.doc_max)
+    grid: tuple[int, int]
+    args: tuple[torch.Tensor | int | float, ...]
+    kwargs: dict[str, bool | int | str]
 
 
 def kernels_interpreted() -> bool:
