@@ -3,6 +3,11 @@
 A :class:`RingComm` knows this rank's place in the ring and posts one step's sends and
 receives as a single ``batch_isend_irecv``; the caller computes while they are in flight and
 then waits. Works on any backend with point-to-point support (gloo on CPU, NCCL on CUDA).
+
+Agreement before a call (:mod:`.validation`) does not use the compute group: every group
+gets a CPU side group over the same ranks (:func:`agreement_group`, gloo), so checking that
+every rank passed the same arguments is a small all-reduce of host integers, with no
+host/device copy and no CUDA stream synchronisation.
 """
 
 from __future__ import annotations
@@ -14,6 +19,30 @@ import torch
 import torch.distributed as dist
 
 from ringray.attention.backends.common import accumulation_dtype
+
+_AGREEMENT_GROUPS: dict[tuple[int, ...], tuple[object, dist.ProcessGroup]] = {}
+
+
+def agreement_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """The CPU (gloo) side group over ``group``'s ranks (``None``: the default group), made
+    on first use by those ranks alone (local synchronisation: other rings need not join) and
+    kept for the life of the default group. It carries only host-side agreement traffic,
+    apart from the compute group's K/V exchange."""
+    ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    world = dist.group.WORLD
+    known = _AGREEMENT_GROUPS.get(ranks)
+    if known is not None and known[0] is world:
+        return known[1]
+    side = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+    _AGREEMENT_GROUPS[ranks] = (world, side)
+    return side
+
+
+def agree_max(values: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Element-wise maximum of a CPU int64 vector over ``group``'s ranks, through its
+    :func:`agreement_group` (blocking; host only)."""
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=agreement_group(group))
+    return values
 
 
 class PendingExchange:
@@ -72,11 +101,9 @@ class RingComm:
         return PendingExchange(dist.batch_isend_irecv(ops) if ops else [], sent)
 
     def all_max(self, values: torch.Tensor) -> torch.Tensor:
-        """Element-wise maximum of an int64 vector over the ring (blocking)."""
-        if self.world_size == 1:
-            return values
-        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group)
-        return values
+        """Element-wise maximum of a CPU int64 vector over the ring, on its CPU side group
+        (blocking, no device sync)."""
+        return agree_max(values, self.group) if self.world_size > 1 else values
 
 
 def ring_transfer_seconds(comm: RingComm, k_local: torch.Tensor) -> tuple[float, int]:

@@ -121,8 +121,7 @@ def ring_attention(
                               documents, ulysses=grid.world_size if grid is not None else 1)
     except ValueError as exc:
         error = exc
-    agree_across_ranks(comm, checked, q.device if isinstance(q, torch.Tensor) else None,
-                       error, grid)
+    agree_across_ranks(comm, checked, error, grid)
     if error is not None:
         raise error
     if grid is not None:  # this rank's positions, all heads -> the ring member's chunk

@@ -43,7 +43,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ringray.attention.comm import RingComm
+from ringray.attention.comm import RingComm, agree_max
 from ringray.attention.stats import IntervalTimer, RingStats
 
 
@@ -80,10 +80,9 @@ class UlyssesComm:
         self.world_size = dist.get_world_size(group)
 
     def all_max(self, values: torch.Tensor) -> torch.Tensor:
-        """Element-wise maximum of an int64 vector over the group (blocking)."""
-        if self.world_size > 1:
-            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group)
-        return values
+        """Element-wise maximum of a CPU int64 vector over the group, on its CPU side group
+        (blocking, no device sync)."""
+        return agree_max(values, self.group) if self.world_size > 1 else values
 
     def exchange(self, buffer: torch.Tensor) -> torch.Tensor:
         """All-to-all of ``buffer`` ``(U, ...)``: block j goes to rank j, and block i of the
