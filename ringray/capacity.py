@@ -13,6 +13,10 @@ Pure arithmetic over a job's training options (no devices, no tensors):
   by FSDP; activations per checkpointing mode; ring buffers; FSDP's gathered blocks; the
   peak over the step); :func:`memory_breakdown` puts it against a device.
 - **Overlap**: :func:`overlap_threshold_tokens` (the ``c >= F/B`` rule, derived there).
+- **Ulysses × ring** (``parallel.ulysses``): the all-to-alls' traffic
+  (:func:`a2a_bytes_per_layer`) on a node's links against the ring's on its slowest link,
+  the time each leaves exposed per step, and the Ulysses degree to use
+  (:func:`ulysses_options`, :func:`recommend_ulysses`: the rule is there).
 
 A planning margin (:data:`MEMORY_RESERVE_RATIO` of device memory) is kept for the CUDA
 context, NCCL's buffers, kernel workspaces and allocator fragmentation, which the terms above
@@ -34,6 +38,7 @@ from ringray.accelerators import (  # noqa: F401 - ACCELERATORS and parse_cluste
     parse_cluster,
 )
 from ringray.attention.layouts import seq_len_divisor
+from ringray.attention.ulysses import check_ulysses_heads
 from ringray.model import ModelConfig
 from ringray.model.rope import describe_rope
 from ringray.train import TrainOptions
@@ -43,6 +48,7 @@ from ringray.train.footprint import (  # noqa: F401 - the formulas, re-exported 
     gathered_bytes,
     head_activation_bytes_per_token,
     kept_activation_bytes_per_token,
+    kv_repeat,
     layer_activation_bytes_per_token,
     rank_footprint,
     recompute_bytes_per_token,
@@ -67,6 +73,12 @@ class PlanInputs:
     bf16: bool  # bf16 compute (autocast, or FSDP's bf16 gathered weights); else fp32
     activation_checkpointing: str  # "none" | "full" | "selective"
     fsdp: bool = False  # weights, gradients and AdamW state sharded over dp x cp
+    ulysses: int = 1  # ranks per Ulysses group; the ring has cp / ulysses ranks
+
+    @property
+    def ring_size(self) -> int:
+        """Ranks of one ring: cp / ulysses."""
+        return self.cp // self.ulysses
 
     def shards(self, cp: int | None = None) -> int:
         """How many ways the weights are split: dp × cp with FSDP (at ring size ``cp``,
@@ -79,7 +91,8 @@ class PlanInputs:
 
     @property
     def block_tokens(self) -> int:
-        """Tokens of one sequence on one rank: the K/V block a ring step sends."""
+        """Tokens of one sequence on one rank (without Ulysses, the K/V block a ring step
+        sends; with it, the ring's block is its member's chunk, ``seq_len / ring_size``)."""
         return self.seq_len // self.cp
 
     @property
@@ -102,13 +115,17 @@ class PlanInputs:
                 raise PlanError(f"parallel.{missing}: null, and it cannot be inferred ({why}); "
                                 f"give a number, e.g. --set parallel.{missing}=8")
             dp, cp = (dp, total // dp) if cp is None else (total // cp, cp)
+        ulysses = options.parallel.ulysses
+        if cp % ulysses:
+            raise PlanError(f"parallel.ulysses: {ulysses} does not divide the inferred cp = "
+                            f"{cp}; give parallel.cp, or a divisor of {cp}")
         train = options.train
         return cls(
             name=name, model=options.model, seq_len=train.seq_len,
-            global_batch=train.global_batch, dp=dp, cp=cp, layout=options.parallel.layout,
+            global_batch=train.global_batch, dp=dp, cp=cp, layout=options.layout_kind,
             bf16=train.precision != "fp32",
             activation_checkpointing=train.activation_checkpointing,
-            fsdp=options.parallel.fsdp,
+            fsdp=options.parallel.fsdp, ulysses=ulysses,
         )
 
 
@@ -117,7 +134,7 @@ class PlanInputs:
 
 def overlap_threshold_tokens(
     cfg: ModelConfig, *, peak_flops: float, link_bytes_per_second: float, bf16: bool,
-    causal: bool = True,
+    causal: bool = True, kv_repeat: int = 1,
 ) -> tuple[float, float]:
     """The smallest block (tokens of one sequence per rank) whose ring step hides its
     transfer, for the forward and the backward pass.
@@ -138,8 +155,13 @@ def overlap_threshold_tokens(
     forward rule is Ring Attention's ``c >= F/B`` (Liu, Zaharia and Abbeel, 2023) for full
     attention and ``c >= 2F/B`` for causal. ``F`` is the dense peak: a kernel below peak
     makes compute longer and the real threshold lower, so this one is conservative.
+
+    With Ulysses (U ranks per group) a ring rank holds its member's chunk, ``c_R = U c``
+    tokens, for ``h / U`` query and ``k r / U`` kv heads (``r = kv_repeat``: the K/V copies
+    when U > k). The rule is the same with ``c_R`` for ``c`` and ``k r`` for ``k`` (the U's
+    cancel): the threshold is on the ring's block ``c_R``, which is U times the rank's share.
     """
-    h, k = cfg.n_heads, cfg.n_kv_heads
+    h, k = cfg.n_heads, cfg.n_kv_heads * kv_repeat
     a = 2 if bf16 else 4
     share = 0.5 if causal else 1.0
     ratio = peak_flops / link_bytes_per_second
@@ -162,31 +184,39 @@ class MemoryBreakdown(Footprint):
         return self.peak_bytes <= self.usable_bytes
 
 
-def memory_breakdown(inputs: PlanInputs, device: Accelerator, *, cp: int | None = None
-                     ) -> MemoryBreakdown:
-    """Per-device memory of ``inputs`` on ``device`` (at ring size ``cp``, default the job's)."""
+def memory_breakdown(inputs: PlanInputs, device: Accelerator, *, cp: int | None = None,
+                     ulysses: int | None = None) -> MemoryBreakdown:
+    """Per-device memory of ``inputs`` on ``device`` (at ``cp`` ranks per sequence as ring ×
+    ``ulysses``; default the job's cp, and its ulysses at its own cp, else 1)."""
+    if ulysses is None:
+        ulysses = inputs.ulysses if cp is None or cp == inputs.cp else 1
     cp = cp or inputs.cp
     footprint = rank_footprint(
         inputs.model, local_tokens=inputs.local_batch * (inputs.seq_len // cp), cp=cp,
         shards=inputs.shards(cp), bf16=inputs.bf16,
-        checkpointing=inputs.activation_checkpointing)
+        checkpointing=inputs.activation_checkpointing, ulysses=ulysses)
     return MemoryBreakdown(**asdict(footprint),
                            usable_bytes=int(device.memory_bytes * (1 - MEMORY_RESERVE_RATIO)))
 
 
 @dataclass(frozen=True, kw_only=True)
 class OverlapCheck:
-    """Can a ring step hide its transfer behind its attention compute?"""
+    """Can a ring step hide its transfer behind its attention compute? (With Ulysses, the
+    ring of ``ring_size`` = cp / ulysses ranks, each holding its member's chunk for its
+    share of the heads.)"""
 
     ring_size: int
     link: str
     link_bytes_per_second: float
     peak_flops: float
-    block_tokens: int
+    block_tokens: int  # the ring's block: tokens of one sequence per ring rank
     forward_threshold_tokens: float
     backward_threshold_tokens: float
     forward_compute_seconds: float  # one ring step of one layer, this rank's whole batch
     forward_transfer_seconds: float
+    backward_compute_seconds: float = 0.0  # the same step in the backward
+    backward_transfer_seconds: float = 0.0  # its K/V block and float32 dK/dV sum
+    ulysses: int = 1
 
     @property
     def threshold_tokens(self) -> int:
@@ -194,27 +224,188 @@ class OverlapCheck:
 
     @property
     def hidden(self) -> bool:
-        """True when every ring step's transfer fits under its compute (cp 1: no ring)."""
+        """True when every ring step's transfer fits under its compute (a ring of 1: none)."""
         return self.ring_size == 1 or self.block_tokens >= self.threshold_tokens
 
+    @property
+    def transfer_seconds_per_layer(self) -> float:
+        """One layer's ring transfers, forward and backward: ring_size - 1 steps each (the
+        last step's block is already here)."""
+        steps = self.ring_size - 1
+        return steps * (self.forward_transfer_seconds + self.backward_transfer_seconds)
 
-def overlap_check(inputs: PlanInputs, cluster: ClusterShape, *, cp: int | None = None
-                  ) -> OverlapCheck:
-    """The overlap rule at ring size ``cp`` (default the job's) on the ring's slowest link."""
+    @property
+    def exposed_seconds_per_layer(self) -> float:
+        """What one layer's ring steps leave exposed at peak compute: each step waits for
+        whatever of its transfer its compute does not cover."""
+        steps = self.ring_size - 1
+        return steps * (max(0.0, self.forward_transfer_seconds - self.forward_compute_seconds)
+                        + max(0.0, self.backward_transfer_seconds
+                              - self.backward_compute_seconds))
+
+
+def overlap_check(inputs: PlanInputs, cluster: ClusterShape, *, cp: int | None = None,
+                  ulysses: int | None = None) -> OverlapCheck:
+    """The overlap rule at ``cp`` ranks per sequence as ring × ``ulysses`` (default the
+    job's; ulysses 1 at another cp) on the ring's slowest link.
+
+    Per ring step and layer, for this rank's batch, with ``c_R`` = seq_len / ring_size the
+    ring's block, ``h / U`` query and ``k r / U`` kv heads (``r``: the K/V repeat)::
+
+        forward   compute  = share x 4 c_R^2 e (h / U) / F
+                  transfer = 2 c_R (k r / U) e a / B
+        backward  compute  = 2.5 x forward
+                  transfer = 2 c_R (k r / U) e (a + 4) / B
+
+    So against the plain ring at the same cp (c_R = U c), a step computes U times as much
+    and sends r times as much (the same when U <= k), over cp / U - 1 steps instead of
+    cp - 1: the same total compute, less total transfer, and each transfer easier to hide.
+    """
+    if ulysses is None:
+        ulysses = inputs.ulysses if cp is None or cp == inputs.cp else 1
     cp = cp or inputs.cp
     cfg, device = inputs.model, cluster.accelerator
+    ring_size, repeat = cp // ulysses, kv_repeat(cfg, ulysses)
     link, link_rate = cluster.ring_link(cp)
     forward, backward = overlap_threshold_tokens(
-        cfg, peak_flops=device.peak_flops, link_bytes_per_second=link_rate, bf16=inputs.bf16)
-    block, batch = inputs.seq_len // cp, inputs.local_batch
-    compute = batch * 0.5 * 4 * block**2 * cfg.head_dim * cfg.n_heads / device.peak_flops
-    transfer = batch * 2 * block * cfg.n_kv_heads * cfg.head_dim * inputs.activation_dtype_bytes
+        cfg, peak_flops=device.peak_flops, link_bytes_per_second=link_rate, bf16=inputs.bf16,
+        kv_repeat=repeat)
+    block, batch = inputs.seq_len // ring_size, inputs.local_batch
+    q_heads, kv_heads = cfg.n_heads / ulysses, cfg.n_kv_heads * repeat / ulysses
+    compute = batch * 0.5 * 4 * block**2 * cfg.head_dim * q_heads / device.peak_flops
+    kv_bytes = batch * 2 * block * kv_heads * cfg.head_dim
+    a = inputs.activation_dtype_bytes
     return OverlapCheck(
-        ring_size=cp, link=link, link_bytes_per_second=link_rate, peak_flops=device.peak_flops,
-        block_tokens=block, forward_threshold_tokens=forward,
+        ring_size=ring_size, link=link, link_bytes_per_second=link_rate,
+        peak_flops=device.peak_flops, block_tokens=block, forward_threshold_tokens=forward,
         backward_threshold_tokens=backward, forward_compute_seconds=compute,
-        forward_transfer_seconds=transfer / link_rate,
+        forward_transfer_seconds=kv_bytes * a / link_rate,
+        backward_compute_seconds=2.5 * compute,
+        backward_transfer_seconds=kv_bytes * (a + 4) / link_rate, ulysses=ulysses,
     )
+
+
+# ------------------------------------------------------------------------------ Ulysses
+
+
+def a2a_bytes_per_layer(cfg: ModelConfig, *, local_tokens: int, ulysses: int, bf16: bool
+                        ) -> tuple[int, int]:
+    """Bytes one rank sends in one layer's Ulysses all-to-alls, (forward, backward), for its
+    ``local_tokens`` (its sequences' shares). Each all-to-all keeps 1/U of its buffer and
+    sends the rest (``(U - 1) / U``); with ``a`` bytes per element, ``h``/``k`` query/kv
+    heads, ``e`` = head_dim and ``r`` the K/V repeat (:func:`kv_repeat`)::
+
+        forward   q, k, v to heads     (U-1)/U x tokens x (h + 2 k r) e a
+                  the output back      (U-1)/U x tokens x h e a
+        backward  dout to heads        (U-1)/U x tokens x h e a
+                  dq, dk, dv back      (U-1)/U x tokens x (h + 2 k r) e a
+
+    The backward is the forward's mirror (dK/dV travel as K/V did), so the two are equal.
+    """
+    if ulysses == 1:
+        return 0, 0
+    a = 2 if bf16 else 4
+    heads = 2 * cfg.n_heads + 2 * cfg.n_kv_heads * kv_repeat(cfg, ulysses)
+    sent = (ulysses - 1) * local_tokens * heads * cfg.head_dim * a // ulysses
+    return sent, sent
+
+
+@dataclass(frozen=True, kw_only=True)
+class UlyssesOption:
+    """One way to run ``cp`` ranks per sequence: a ring of ``ring_size`` × ``ulysses``, with
+    what it leaves exposed per optimizer step (every layer, forward and backward) at peak
+    compute. ``refused`` says why the job cannot use it (``None``: it can)."""
+
+    ulysses: int
+    ring_size: int
+    refused: str | None = None
+    # The figures; None where the heads cannot be shared over ``ulysses`` ranks at all.
+    a2a_bytes_per_layer: int | None = None  # forward + backward, one rank
+    a2a_seconds: float | None = None  # per step: all exposed (nothing computes meanwhile)
+    ring_transfer_seconds: float | None = None  # per step
+    ring_exposed_seconds: float | None = None  # per step: what the ring's compute leaves
+    ring_hidden: bool | None = None  # every ring step's transfer fits under its compute
+    peak_bytes: int | None = None
+
+    @property
+    def exposed_seconds(self) -> float | None:
+        if self.a2a_seconds is None or self.ring_exposed_seconds is None:
+            return None
+        return self.ring_exposed_seconds + self.a2a_seconds
+
+
+def _a2a_link(cluster: ClusterShape) -> tuple[str, float]:
+    """The link a Ulysses group's all-to-all runs on: inside one node (placement keeps a
+    group there), the accelerator's intra-node link; a custom device's one link."""
+    return cluster.ring_link(1)
+
+
+def ulysses_options(inputs: PlanInputs, cluster: ClusterShape) -> tuple[UlyssesOption, ...]:
+    """Every divisor U of the job's cp, ascending, with its per-step figures, and why the
+    job cannot use it: a group larger than a node (placement keeps a group on one node),
+    heads that do not split over it, a sequence length the grid's layout cannot split, or
+    memory that does not fit."""
+    cfg, cp = inputs.model, inputs.cp
+    _, link_rate = _a2a_link(cluster)
+    local_tokens = inputs.local_batch * (inputs.seq_len // cp)
+    options = []
+    for ulysses in (u for u in range(1, cp + 1) if cp % u == 0):
+        refused = _ulysses_refusal(inputs, cluster, ulysses)
+        try:
+            kv_repeat(cfg, ulysses)
+        except ValueError:  # no figures: the heads cannot be shared over this group at all
+            options.append(UlyssesOption(ulysses=ulysses, ring_size=cp // ulysses,
+                                         refused=refused))
+            continue
+        forward, backward = a2a_bytes_per_layer(cfg, local_tokens=local_tokens,
+                                                ulysses=ulysses, bf16=inputs.bf16)
+        ring = overlap_check(inputs, cluster, cp=cp, ulysses=ulysses)
+        memory = memory_breakdown(inputs, cluster.accelerator, cp=cp, ulysses=ulysses)
+        if refused is None and not memory.fits:
+            refused = (f"peak {memory.peak_bytes / GIB:.1f} GiB over the "
+                       f"{memory.usable_bytes / GIB:.1f} GiB usable")
+        options.append(UlyssesOption(
+            ulysses=ulysses, ring_size=ring.ring_size, a2a_bytes_per_layer=forward + backward,
+            a2a_seconds=cfg.n_layers * (forward + backward) / link_rate,
+            ring_transfer_seconds=cfg.n_layers * ring.transfer_seconds_per_layer,
+            ring_exposed_seconds=cfg.n_layers * ring.exposed_seconds_per_layer,
+            ring_hidden=ring.hidden, peak_bytes=memory.peak_bytes, refused=refused,
+        ))
+    return tuple(options)
+
+
+def _ulysses_refusal(inputs: PlanInputs, cluster: ClusterShape, ulysses: int) -> str | None:
+    cfg = inputs.model
+    if cluster.gpus_per_node is not None and ulysses > cluster.gpus_per_node:
+        return f"a group of {ulysses} does not fit a node of {cluster.gpus_per_node}"
+    try:
+        check_ulysses_heads(cfg.n_heads, cfg.n_kv_heads, ulysses)
+    except ValueError:
+        return f"heads {cfg.n_heads}/{cfg.n_kv_heads} do not split over {ulysses}"
+    if inputs.seq_len % seq_len_divisor(inputs.layout, inputs.cp, ulysses):
+        return (f"seq {inputs.seq_len} is not a multiple of "
+                f"{seq_len_divisor(inputs.layout, inputs.cp, ulysses)}")
+    return None
+
+
+ULYSSES_RULE = ("the largest allowed ulysses whose exposed time (ring exposed + all-to-all) "
+                "is no worse than the plain ring's")
+
+
+def recommend_ulysses(options: tuple[UlyssesOption, ...]) -> int:
+    """The Ulysses degree to use: the largest allowed U whose exposed seconds per step (the
+    ring's exposed transfer plus the all-to-alls, which nothing hides) are no worse than
+    the plain ring's (U = 1). Why the largest: at equal or lower exposed time a larger U
+    means a shorter ring (fewer steps, each with a larger block, and fewer hops per step
+    when the ring spans nodes) and attention over U times longer sequences per kernel call,
+    which run closer to peak (the issue's H100 figures: Ulysses about 580 TFLOP/s per GPU,
+    ring P2P 430-475); the model counts neither, so it only guards exposed time. When the
+    plain ring already hides its transfers, every U > 1 only adds all-to-all time, and the
+    answer is 1."""
+    plain = next(option for option in options if option.ulysses == 1).exposed_seconds
+    allowed = [option.ulysses for option in options
+               if option.refused is None and option.exposed_seconds <= plain * (1 + 1e-9)]
+    return max(allowed, default=1)
 
 
 def _layout_note(layout: str, cp: int) -> str:
@@ -242,6 +433,14 @@ class PlanReport:
     layout_note: str
     fits: bool
     reasons: tuple[str, ...]  # why it does not fit (empty when it fits)
+    ulysses_options: tuple[UlyssesOption, ...] = ()  # every divisor of cp (ulysses_options)
+    recommended_ulysses: int = 1
+
+    @property
+    def job_ulysses(self) -> UlyssesOption | None:
+        """The figures of the job's own ring × ulysses."""
+        return next((option for option in self.ulysses_options
+                     if option.ulysses == self.inputs.ulysses), None)
 
     @property
     def verdict(self) -> str:
@@ -263,6 +462,10 @@ class PlanReport:
             "memory": {**asdict(self.memory), "static_bytes": self.memory.static_bytes},
             "overlap": {**asdict(self.overlap), "threshold_tokens": self.overlap.threshold_tokens,
                         "hidden": self.overlap.hidden},
+            "ulysses": [{**asdict(option), "exposed_seconds": option.exposed_seconds}
+                        for option in self.ulysses_options],
+            "recommended_ulysses": self.recommended_ulysses,
+            "ulysses_rule": ULYSSES_RULE,
             "devices_needed": self.devices_needed,
             "recommended_cp": self.recommended_cp,
             "recommended_layout": self.recommended_layout,
@@ -291,12 +494,13 @@ class PlanReport:
             recommended = f"no cp fits (layout {self.recommended_layout})"
         else:
             recommended = f"cp {self.recommended_cp}, layout {self.recommended_layout}"
+        grid = (f" = ring {i.ring_size} x ulysses {i.ulysses}" if i.ulysses > 1 else "")
         return "\n".join([
             f"job {i.name!r} on {c.describe()}: {acc.peak_flops / 1e12:g} TFLOP/s bf16, "
             f"{acc.memory_bytes / GIB:g} GiB per device",
             f"model: {size} parameters, {cfg.n_layers} layers, dim {cfg.dim}, heads "
             f"{cfg.n_heads}/{cfg.n_kv_heads}, ffn {cfg.ffn_hidden}",
-            f"mesh: dp {i.dp} x cp {i.cp} ({i.layout}) = {self.devices_needed} devices; seq "
+            f"mesh: dp {i.dp} x cp {i.cp}{grid} ({i.layout}) = {self.devices_needed} devices; seq "
             f"{i.seq_len}; per device {i.local_batch} sequence(s) x {i.block_tokens} tokens",
             f"precision: {precision}",
             f"activation checkpointing: {checkpointing[i.activation_checkpointing]}",
@@ -306,8 +510,10 @@ class PlanReport:
             "",
             *self._overlap_lines(),
             "",
+            *self._ulysses_lines(),
             f"recommended: {recommended}",
             f"  {self.layout_note}",
+            *self._recommended_ulysses_lines(),
             "",
             f"verdict: {self.verdict}",
         ])
@@ -338,19 +544,69 @@ class PlanReport:
     def _overlap_lines(self) -> list[str]:
         o, layout = self.overlap, self.inputs.layout
         if o.ring_size == 1:
+            if o.ulysses > 1:
+                return [f"ring overlap: a ring of 1 (cp {self.inputs.cp} = ulysses "
+                        f"{o.ulysses}), nothing to send, nothing to hide"]
             return ["ring overlap: cp 1, no ring (nothing to send, nothing to hide)"]
-        chunks = f" (2 zigzag chunks of {o.block_tokens // 2})" if layout == "zigzag" else ""
+        notes = ([f"2 zigzag chunks of {o.block_tokens // 2}"] if layout == "zigzag" else [])
+        if o.ulysses > 1:
+            notes.append(f"its Ulysses group's {o.ulysses} shares")
+        chunks = f" ({'; '.join(notes)})" if notes else ""
+        per = "per ring rank" if o.ulysses > 1 else "per rank"
         return [
             f"ring overlap ({o.link}, {o.link_bytes_per_second / 1e9:g} GB/s one way, "
             f"{o.peak_flops / 1e12:g} TFLOP/s)",
             f"  threshold block   {o.threshold_tokens} tokens (forward "
             f"{math.ceil(o.forward_threshold_tokens)}, backward "
             f"{math.ceil(o.backward_threshold_tokens)}: c >= F/B x constant)",
-            f"  this job's block  {o.block_tokens} tokens per rank{chunks}: communication "
+            f"  this job's block  {o.block_tokens} tokens {per}{chunks}: communication "
             + ("hidden" if o.hidden else "exposed"),
             f"  forward step      {o.forward_compute_seconds * 1e3:.3g} ms compute at peak, "
             f"{o.forward_transfer_seconds * 1e3:.3g} ms transfer (one layer)",
         ]
+
+    def _recommended_ulysses_lines(self) -> list[str]:
+        if len(self.ulysses_options) < 2:
+            return []
+        u, cp = self.recommended_ulysses, self.inputs.cp
+        return [f"recommended at cp {cp}: ulysses {u} (ring {cp // u} x ulysses {u}): "
+                f"{ULYSSES_RULE}"]
+
+    def _ulysses_lines(self) -> list[str]:
+        """Each ring x ulysses split of the job's cp: all-to-all seconds beside the ring's."""
+        options = self.ulysses_options
+        if len(options) < 2:
+            return []
+        link, rate = _a2a_link(self.cluster)
+        lines = [
+            f"ulysses x ring at cp {self.inputs.cp}: ms per step (every layer, forward and "
+            f"backward, at peak compute); all-to-alls on {link} ({rate / 1e9:g} GB/s one way), "
+            f"all exposed",
+            f"  {'ulysses':>7} {'ring':>5} {'a2a':>9} {'ring transfer':>14} "
+            f"{'ring exposed':>13}  {'ring is':<8} {'exposed':>9}",
+        ]
+        for option in options:
+            mark = "  <- this job" if option.ulysses == self.inputs.ulysses else ""
+            head = f"  {option.ulysses:>7} {option.ring_size:>5}"
+            if option.exposed_seconds is None:
+                lines.append(f"{head}   not allowed: {option.refused}{mark}")
+                continue
+            hidden = "hidden" if option.ring_hidden else "exposed"
+            refused = f"  not allowed: {option.refused}" if option.refused else ""
+            lines.append(
+                f"{head} {_ms(option.a2a_seconds):>9} {_ms(option.ring_transfer_seconds):>14} "
+                f"{_ms(option.ring_exposed_seconds):>13}  {hidden:<8} "
+                f"{_ms(option.exposed_seconds):>9}{refused}{mark}")
+        return [*lines, ""]
+
+
+def _ms(seconds: float) -> str:
+    """Milliseconds to about three significant digits, without an exponent."""
+    ms = seconds * 1e3
+    if ms == 0:
+        return "0"
+    decimals = max(0, 2 - math.floor(math.log10(abs(ms))))
+    return f"{ms:,.{decimals}f}"
 
 
 def _candidate_cps(inputs: PlanInputs, cluster: ClusterShape, layout: str) -> list[int]:
@@ -367,10 +623,12 @@ def recommend_cp(inputs: PlanInputs, cluster: ClusterShape, layout: str) -> int 
     """The smallest ring that fits memory, preferring one whose block meets the overlap
     threshold. A larger cp only shrinks the block (and may cross nodes onto a slower link),
     so when the smallest fitting cp misses the threshold, every larger one does too; it is
-    still the best choice, with communication exposed. None when no cp fits."""
+    still the best choice, with communication exposed. None when no cp fits. (Plain rings:
+    the Ulysses degree is recommended at the job's cp, :func:`recommend_ulysses`.)"""
     fitting = [cp for cp in _candidate_cps(inputs, cluster, layout)
-               if memory_breakdown(inputs, cluster.accelerator, cp=cp).fits]
-    hidden = [cp for cp in fitting if overlap_check(inputs, cluster, cp=cp).hidden]
+               if memory_breakdown(inputs, cluster.accelerator, cp=cp, ulysses=1).fits]
+    hidden = [cp for cp in fitting
+              if overlap_check(inputs, cluster, cp=cp, ulysses=1).hidden]
     return (hidden or fitting or [None])[0]
 
 
@@ -396,12 +654,18 @@ def plan(inputs: PlanInputs, cluster: ClusterShape) -> PlanReport:
             f"the {memory.usable_bytes / GIB:.1f} GiB usable: activations take "
             f"{memory.activations_bytes / GIB:.1f} GiB at {inputs.block_tokens} tokens per rank"
             f"{_remedies(inputs, cluster)}")
+    grids = ulysses_options(inputs, cluster)
+    own = next(option for option in grids if option.ulysses == inputs.ulysses)
+    if own.refused is not None and not own.refused.startswith("peak"):  # memory: above
+        reasons.append(f"parallel.ulysses: {inputs.ulysses} is not allowed here: "
+                       f"{own.refused}")
     layout = inputs.layout if inputs.layout in ("zigzag", "striped") else "zigzag"
     return PlanReport(
         inputs=inputs, cluster=cluster, memory=memory, overlap=overlap_check(inputs, cluster),
         devices_needed=devices_needed, recommended_cp=recommend_cp(inputs, cluster, layout),
         recommended_layout=layout, layout_note=_layout_note(inputs.layout, inputs.cp),
-        fits=not reasons, reasons=tuple(reasons),
+        fits=not reasons, reasons=tuple(reasons), ulysses_options=grids,
+        recommended_ulysses=recommend_ulysses(grids),
     )
 
 

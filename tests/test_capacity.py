@@ -23,6 +23,7 @@ from ringray.capacity import (
     GIB,
     PlanError,
     PlanInputs,
+    a2a_bytes_per_layer,
     activation_bytes_per_token,
     custom_cluster,
     gathered_bytes,
@@ -30,11 +31,14 @@ from ringray.capacity import (
     kept_activation_bytes_per_token,
     layer_activation_bytes_per_token,
     memory_breakdown,
+    overlap_check,
     overlap_threshold_tokens,
     parse_cluster,
     plan,
     plan_job,
+    recommend_ulysses,
     ring_buffer_bytes_per_token,
+    ulysses_options,
 )
 from ringray.cli import app
 from ringray.model import RingContext, Transformer, model_preset
@@ -419,3 +423,123 @@ def test_plan_reads_a_spec_dict_too():
                            "train": {"seq_len": 4096, "global_batch": 2}})
     report = _plan(spec, parse_cluster("1x2xA100"))
     assert report.fits and report.overlap.link == "NVLink"
+
+
+# ------------------------------------------------------------------ Ulysses x ring
+
+
+def test_ulysses_hand_computed_traffic_exposure_and_recommendation():
+    """The hand-computed case (h=8/k=2 heads, e=32, 4 layers, seq 8192 over cp 4, 2 sequences,
+    bf16 a=2, 100 TFLOP/s, 12.5 GB/s on one custom link): 4096 local tokens per rank.
+
+    All-to-all bytes per layer, one rank, (U-1)/U x 4096 x (2h + 2kr) e a per direction:
+      U=2 (r=1): 1/2 x 4096 x 20 x 32 x 2 = 2_621_440;  U=4 (r=2): 3/4 x 4096 x 24 x 64
+      = 4_718_592.
+    The ring, per step and layer (c_R = 8192 / R, h/U and kr/U heads, share 1/2):
+      U=1 (R=4, c_R=2048): compute fwd 2 x 0.5 x 4 x 2048^2 x 32 x 8 / 1e14 = 42.95 us, bwd
+        107.37 us; transfer fwd 2 x 2 x 2048 x 2 x 32 x 2 / 12.5e9 = 83.89 us, bwd (a+4)
+        251.66 us -> exposed 3 steps x (40.94 + 144.29) = 555.67 us per layer.
+      U=2 (R=2, c_R=4096): compute fwd 85.90 us, bwd 214.75 us; transfer fwd 83.89 us,
+        bwd 251.66 us -> exposed 1 step x (0 + 36.91) = 36.91 us per layer.
+      U=4 (R=1): no ring.
+    Per step (4 layers): U=1 exposed 2.2227 ms; U=2 147.6 us + a2a 4 x 2 x 2_621_440 /
+      12.5e9 = 1.6777 ms -> 1.8253 ms; U=4 a2a 4 x 2 x 4_718_592 / 12.5e9 = 3.0199 ms.
+    U=4 is allowed (a custom device has no node size) but worse than the plain ring, so the
+    recommendation is 2."""
+    cfg = small_inputs().model
+    assert a2a_bytes_per_layer(cfg, local_tokens=4096, ulysses=1, bf16=True) == (0, 0)
+    assert a2a_bytes_per_layer(cfg, local_tokens=4096, ulysses=2, bf16=True) == (
+        2_621_440, 2_621_440)
+    assert a2a_bytes_per_layer(cfg, local_tokens=4096, ulysses=4, bf16=True) == (
+        4_718_592, 4_718_592)
+
+    cluster = custom_cluster(tflops=100, link_gbps=100, memory_gib=16)
+    options = {o.ulysses: o for o in ulysses_options(small_inputs(), cluster)}
+    assert sorted(options) == [1, 2, 4]
+    assert options[1].ring_exposed_seconds == pytest.approx(4 * 555.67e-6, rel=1e-4)
+    assert options[1].a2a_seconds == 0 and options[1].ring_size == 4
+    assert options[2].ring_exposed_seconds == pytest.approx(4 * 36.91e-6, rel=1e-3)
+    assert options[2].a2a_seconds == pytest.approx(1.6777e-3, rel=1e-4)
+    assert options[2].exposed_seconds == pytest.approx(1.8253e-3, rel=1e-3)
+    assert options[4].ring_size == 1 and options[4].ring_exposed_seconds == 0
+    assert options[4].a2a_seconds == pytest.approx(3.0199e-3, rel=1e-4)
+    assert all(o.refused is None for o in options.values())
+    assert recommend_ulysses(tuple(options.values())) == 2
+
+    check = overlap_check(small_inputs(ulysses=2), cluster)
+    assert (check.ring_size, check.block_tokens, check.threshold_tokens) == (2, 4096, 4800)
+    assert not check.hidden  # the backward's 251.66 us transfer > its 214.75 us compute
+    report = plan(small_inputs(ulysses=2), cluster)
+    assert report.recommended_ulysses == 2 and report.job_ulysses.ulysses == 2
+    text = report.format()
+    assert "mesh: dp 1 x cp 4 = ring 2 x ulysses 2 (zigzag)" in text
+    assert "recommended at cp 4: ulysses 2 (ring 2 x ulysses 2)" in text
+
+
+def test_ulysses_memory_terms():
+    """Per token with Ulysses (a=2, h=8, k=2, e=32): ring attention's saved tensors are
+    1312 at U=1; U=2 adds the output's all-to-all copy (ahe = 512): 1824; U=4 repeats K/V x2
+    (2akre = 512 instead of 256) with the copy: 2080. Ring buffers at cp 4, U=2 (ring of 2,
+    K/V block 2kre = 128 elements): forward 256 + 1024 + the caller's q/k/v 768 = 2048;
+    backward 512 + 1536 + 1024 + dout in heads 512 = 3584 > the dq/dk/dv all-to-all's
+    4 x 12 x 32 x 2 = 3072."""
+    cfg = small_inputs().model
+    plain = layer_activation_bytes_per_token(cfg, bf16=True)
+    assert layer_activation_bytes_per_token(cfg, bf16=True, ulysses=2) == plain + 512
+    assert layer_activation_bytes_per_token(cfg, bf16=True, ulysses=4) == plain + 768
+    assert ring_buffer_bytes_per_token(cfg, cp=4, bf16=True, ulysses=2) == 3584
+    # A ring of one (cp 4 = ulysses 4): no incoming block or spares; the all-to-all's four
+    # copies of (8 + 2 x 2 x 2) heads x 32 x 2 = 4096 are the larger.
+    assert ring_buffer_bytes_per_token(cfg, cp=4, bf16=True, ulysses=4) == 4096
+    with_ulysses = memory_breakdown(small_inputs(ulysses=2), ACCELERATORS["H100"])
+    assert with_ulysses.ring_buffers_bytes == 4096 * 3584
+
+
+def test_ulysses_groups_larger_than_a_node_or_heads_that_do_not_split_are_refused():
+    """On 2 nodes x 2 H100s a group of 4 cannot sit on one node; a model with 3 kv heads
+    cannot share them over 2 or 4 ranks. The job's own refused degree makes it not fit."""
+    options = {o.ulysses: o for o in ulysses_options(small_inputs(), parse_cluster("2x2xH100"))}
+    assert options[4].refused == "a group of 4 does not fit a node of 2"
+    assert options[2].refused is None
+    report = plan(small_inputs(ulysses=4), parse_cluster("2x2xH100"))
+    assert not report.fits
+    assert ("parallel.ulysses: 4 is not allowed here: a group of 4 does not fit a node of 2"
+            in report.verdict)
+    odd = small_inputs(model=model_preset("debug", dim=384, n_layers=2, n_heads=12,
+                                          n_kv_heads=3, ffn_hidden=512))
+    options = {o.ulysses: o for o in ulysses_options(odd, parse_cluster("1x8xH100"))}
+    assert options[2].refused == "heads 12/3 do not split over 2"
+    assert options[2].exposed_seconds is None
+    assert recommend_ulysses(tuple(options.values())) == 1
+
+
+def test_hidden_ring_needs_no_ulysses():
+    """The 8B job's ring of 32 hides its transfers on InfiniBand (see above), so every
+    U > 1 only adds all-to-all time: the recommendation is 1, and groups of 16 and 32 do not
+    fit an 8-GPU node."""
+    report = _plan(load_job_spec(JOB_8B), parse_cluster("8x8xH100"))
+    options = {o.ulysses: o for o in report.ulysses_options}
+    assert sorted(options) == [1, 2, 4, 8, 16, 32]
+    assert options[1].ring_hidden and options[1].exposed_seconds == 0
+    assert all(options[u].a2a_seconds > 0 for u in (2, 4, 8))
+    assert options[16].refused == "a group of 16 does not fit a node of 8"
+    assert report.recommended_ulysses == 1
+
+
+def test_plan_command_shows_ulysses_beside_the_ring():
+    """`ringray plan --set parallel.ulysses=2`: the mesh line, the a2a table with this job's
+    row, and the JSON's per-degree figures."""
+    args = ["plan", JOB_1B, "--cluster", "2x8xH100", "--set", "parallel.cp=16",
+            "--set", "parallel.ulysses=2"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "= ring 8 x ulysses 2 (zigzag)" in result.stdout
+    assert "all-to-alls on NVLink (450 GB/s one way)" in result.stdout
+    assert "<- this job" in result.stdout and "recommended at cp 16: ulysses" in result.stdout
+    data = json.loads(CliRunner().invoke(app, [*args, "--json"]).stdout)
+    assert data["job"]["ulysses"] == 2 and data["overlap"]["ring_size"] == 8
+    assert [row["ulysses"] for row in data["ulysses"]] == [1, 2, 4, 8, 16]
+    assert data["ulysses"][1]["a2a_seconds"] > 0
+    bad = CliRunner().invoke(app, ["plan", JOB_1B, "--cluster", "1x8xH100",
+                                   "--set", "parallel.ulysses=3"])
+    assert bad.exit_code == 2 and "parallel.ulysses: 3 does not divide cp=8" in bad.output

@@ -38,9 +38,9 @@ REPO = Path(__file__).resolve().parents[1]
 COMMITTED = REPO / "dashboards"
 FILES = ("ringray-job.json", "ringray-ring.json")
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
-METRIC_NAME = re.compile(r"ringray_[a-z_]+")
+METRIC_NAME = re.compile(r"ringray_[a-z0-9_]+")
 # A metric's selector: its name and, when present, its label matchers.
-SELECTOR = re.compile(r"(ringray_[a-z_]+)(\{[^}]*\})?")
+SELECTOR = re.compile(r"(ringray_[a-z0-9_]+)(\{[^}]*\})?")
 
 
 def _load(name: str) -> dict:
@@ -152,7 +152,8 @@ def test_the_dashboards_answer_the_issue_questions():
         assert title in job
     for title in ("Overlap per ring", "Load imbalance per ring",
                   "Exposed communication per rank", "Ring bytes sent per rank",
-                  "Slowest rank ÷ median", "Peak memory per rank"):
+                  "Slowest rank ÷ median", "Peak memory per rank",
+                  "All-to-all seconds per rank"):
         assert title in ring
     heatmap = next(p for p in _load("ringray-ring.json")["panels"]
                    if p["title"] == "Exposed communication per rank")

@@ -33,6 +33,7 @@ def _stats(step: int = 3) -> StepStats:
         overlap_ratio=0.8, load_imbalance=1.1, mfu=0.4, peak_memory_bytes=4000,
         overlap_ratio_per_ring=[0.9, 0.8], load_imbalance_per_ring=[1.05, 1.1],
         ring_bytes_sent=[1000, 1000, 2000, 2000], peak_memory_bytes_per_rank=[1, 2, 3, 4000],
+        a2a_seconds=[0.0, 0.0, 0.003, 0.004],
     )
 
 
@@ -87,6 +88,7 @@ def test_a_step_sets_its_values_on_the_right_labels() -> None:
     assert value("ringray_attention_compute_seconds", ring="1", rank="2",
                  node="bbbbbbbb") == 0.09
     assert value("ringray_exposed_comm_seconds", ring="0", rank="1", node="aaaaaaaa") == 0
+    assert value("ringray_a2a_seconds", ring="1", rank="2", node="bbbbbbbb") == 0.003
     assert value("ringray_ring_sent_bytes_total", ring="1", rank="3", node="bbbbbbbb") == 4000
     assert value("ringray_peak_memory_bytes", ring="1", rank="3", node="bbbbbbbb") == 4000
     assert value("ringray_ring_overlap_ratio", ring="0") == 0.9

@@ -499,3 +499,45 @@ def test_large_heterogeneous_clusters_plan_quickly():
         elapsed = time.perf_counter() - started
         check_plan(plan, nodes, cp=12, dp=sum(caps) // 12)
         assert elapsed < 3, elapsed
+
+
+# ------------------------------------------------------------------ Ulysses groups
+def _groups_whole(plan, ulysses: int) -> bool:
+    nodes = [r.node_id for r in plan.ranks]
+    return all(len(set(nodes[g:g + ulysses])) == 1 for g in range(0, len(nodes), ulysses))
+
+
+def test_ulysses_groups_stay_on_one_node_with_the_fewest_hops() -> None:
+    """Every cluster of up to 4 nodes x 4 slots, cp in {2, 4, 8}, ulysses 2: each group of 2
+    consecutive ranks is on one node, slots are not oversubscribed, and the ring crosses no
+    more node boundaries than the best plan of whole groups."""
+    import itertools
+
+    for count in range(1, 5):
+        for slots in itertools.product(range(0, 5), repeat=count):
+            nodes = [NodeSnapshot(node_id=f"n{i}", slots=s) for i, s in enumerate(slots)]
+            for cp in (2, 4, 8):
+                try:
+                    plan = plan_placement(nodes, cp=cp, dp_options=(2, 1), ulysses=2)
+                except PlacementError:
+                    assert sum(s // 2 for s in slots) < cp // 2
+                    continue
+                assert _groups_whole(plan, 2)
+                for node, used in plan.slots_by_node().items():
+                    assert used <= slots[int(node[1:])]
+                units = [NodeSnapshot(node_id=n.node_id, slots=n.slots // 2) for n in nodes]
+                best = plan_placement(units, cp=cp // 2, dp_options=(plan.dp,))
+                assert plan.cross_node_hops == best.cross_node_hops
+
+
+def test_ulysses_on_two_nodes_of_two_slots() -> None:
+    """The issue's case: ring 2 x ulysses 2 on 2 nodes x 2 slots: each group on its node."""
+    nodes = [NodeSnapshot(node_id="a", slots=2), NodeSnapshot(node_id="b", slots=2)]
+    plan = plan_placement(nodes, cp=4, dp_options=(1,), ulysses=2)
+    assert [r.node_id for r in plan.ranks] == ["a", "a", "b", "b"]
+    assert plan.rings[0].cross_node_hops == 2
+    with pytest.raises(ValueError, match="cp=6 is not a multiple of ulysses=4"):
+        plan_placement(nodes, cp=6, dp_options=(1,), ulysses=4)
+    odd = [NodeSnapshot(node_id="a", slots=3), NodeSnapshot(node_id="b", slots=1)]
+    with pytest.raises(PlacementError, match="whole Ulysses groups of 2 ranks"):
+        plan_placement(odd, cp=4, dp_options=(1,), ulysses=2)

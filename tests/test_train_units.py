@@ -131,7 +131,7 @@ def test_warmup_as_long_as_training() -> None:
 
 def report(
     *, loss_sum: float, compute: float, exposed: float, sent: float, seconds_per_byte: float,
-    peak_memory: float,
+    peak_memory: float, a2a: float = 0.0,
 ) -> list[float]:
     row = {
         "loss_sum": loss_sum,
@@ -140,6 +140,7 @@ def report(
         "ring_bytes_sent": sent,
         "transfer_seconds_per_byte": seconds_per_byte,
         "peak_memory_bytes": peak_memory,
+        "a2a_seconds": a2a,
     }
     assert tuple(row) == REPORT_FIELDS
     return list(row.values())
@@ -152,7 +153,7 @@ def report(
 #   (grouping by column instead, (1, 2) and (3, 2), would give 4/3 and 1.2)
 REPORTS = [
     report(loss_sum=10, compute=1.0, exposed=0.1, sent=1000, seconds_per_byte=1e-3,
-           peak_memory=100),
+           peak_memory=100, a2a=0.25),
     report(loss_sum=20, compute=3.0, exposed=0.5, sent=1000, seconds_per_byte=1e-3,
            peak_memory=400),
     report(loss_sum=30, compute=2.0, exposed=0.0, sent=2000, seconds_per_byte=5e-4,
@@ -191,6 +192,8 @@ def test_summarize_step_hand_arithmetic() -> None:
     assert stats.load_imbalance_per_ring == pytest.approx([1.5, 1.0], rel=1e-12)
     assert stats.ring_bytes_sent == [1000, 1000, 2000, 500]
     assert stats.peak_memory_bytes_per_rank == [100, 400, 300, 200]
+    # Ulysses all-to-all seconds are reported per rank, apart from the ring's exposed time.
+    assert stats.a2a_seconds == [0.25, 0.0, 0.0, 0.0]
 
 
 def test_summarize_step_without_peak_has_no_mfu() -> None:

@@ -96,11 +96,14 @@ def _all_to_all(buffers: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.stack([buffers[i][j] for i in range(n)]) for j in range(n)]
 
 
+@pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("ulysses", [2, 4])
-def test_packing_swaps_sequence_for_heads_and_back(ulysses):
+def test_packing_swaps_sequence_for_heads_and_back(ulysses, batch):
     """Through a simulated all-to-all, rank u gets head group u of the whole chunk (q, k and
-    v packed in one buffer), and the reverse packing restores every rank's inputs."""
-    batch, chunk, dim = 2, 4 * ulysses, 3
+    v packed in one buffer), and the reverse packing restores every rank's inputs. The
+    unpacked tensors own their memory (with one row a view would keep the whole received
+    buffer alive for as long as autograd keeps q)."""
+    chunk, dim = 4 * ulysses, 3
     heads = {"q": 2 * ulysses, "k": ulysses, "v": ulysses}
     full = {n: torch.randn(batch, chunk, h, dim) for n, h in heads.items()}
     sub = chunk // ulysses
@@ -113,6 +116,7 @@ def test_packing_swaps_sequence_for_heads_and_back(ulysses):
             group = h // ulysses
             want = full[name][:, :, u * group:(u + 1) * group]
             assert got.is_contiguous()
+            assert got.untyped_storage().data_ptr() != received[u].untyped_storage().data_ptr()
             torch.testing.assert_close(got, want, rtol=0, atol=0)
     back = _all_to_all([pack_for_sequence(g, ulysses) for g in gathered])
     for u in range(ulysses):

@@ -116,3 +116,32 @@ def rank_crash_while_saving(rank: int, world: int, options: TrainOptions) -> Non
 
         store._write_marker = die  # the crash point: every shard written, no marker yet
     trainer.save_checkpoint(store)
+
+
+
+def rank_record_steps_counting_reduce_scatters(
+    rank: int, world: int, runs: list[TrainOptions], steps: int
+) -> list[dict]:
+    """:func:`rank_record_steps`, each run's record also holding ``reduce_scatters``: how
+    many reduce-scatters (FSDP's gradient reductions) its steps issued, counted by a
+    pass-through around ``torch.distributed.reduce_scatter_single``, which FSDP2 calls for
+    each one (gathering weights and gradients for the record only all-gathers)."""
+    import torch.distributed as dist
+
+    real = dist.reduce_scatter_single
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    out = []
+    dist.reduce_scatter_single = counted
+    try:
+        for options in runs:
+            calls.clear()
+            record = record_steps(options, steps)
+            out.append({**record, "reduce_scatters": len(calls)})
+    finally:
+        dist.reduce_scatter_single = real
+    return out

@@ -164,7 +164,9 @@ def unpack_heads(received: torch.Tensor, widths: Sequence[int]) -> list[torch.Te
     out, offset = [], 0
     for width in widths:
         part = received[:, :, :, offset:offset + width].permute(1, 0, 2, 3, 4)
-        out.append(part.reshape(batch, ulysses * local, width, dim))
+        # contiguous(): with one row, reshape can return a view into ``received``, and a
+        # saved q would then keep the received k and v alive through the backward.
+        out.append(part.reshape(batch, ulysses * local, width, dim).contiguous())
         offset += width
     return out
 
@@ -191,7 +193,7 @@ def unpack_sequence(received: torch.Tensor, widths: Sequence[int]) -> list[torch
     out, offset = [], 0
     for width in widths:
         part = received[:, :, :, offset:offset + width].permute(1, 2, 0, 3, 4)
-        out.append(part.reshape(batch, local, ulysses * width, dim))
+        out.append(part.reshape(batch, local, ulysses * width, dim).contiguous())
         offset += width
     return out
 

@@ -1,4 +1,5 @@
-"""``ringray plan SPEC``: will a job fit its cluster (memory, overlap, recommended cp)?"""
+"""``ringray plan SPEC``: will a job fit its cluster (memory, overlap, recommended cp and
+Ulysses degree)?"""
 
 from __future__ import annotations
 
@@ -30,11 +31,13 @@ def plan(
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
 ) -> None:
-    """Will a job fit its cluster? Memory, ring overlap, recommended cp, verdict.
+    """Will a job fit its cluster? Memory, ring overlap, Ulysses, recommended cp, verdict.
 
-    Memory per device: weights, gradients and AdamW state (replicated),
+    Memory per device: weights, gradients and AdamW state (replicated or FSDP),
     activations (the ring's per-layer accounting) and the ring's K/V buffers.
-    Overlap: the threshold block c >= F/B x constant vs seq_len / cp per rank.
+    Overlap: the threshold block c >= F/B x constant vs the ring's block per rank.
+    Ulysses x ring: for each ulysses dividing cp, the all-to-all seconds (inside a
+    node) beside the ring's transfer and exposed seconds, and the recommended ulysses.
     Exit code 0 when the job fits, 1 when it does not, 2 for a usage error.
 
     Examples:
@@ -44,6 +47,8 @@ def plan(
       ringray plan jobs/llama-8b-1m-64xh100.yaml --cluster 8x8xH200 --json
 
       ringray plan jobs/quickstart.yaml --gpu-tflops 300 --link-gbps 100 --gpu-mem-gib 24
+
+      ringray plan jobs/llama-1b-128k-h100.yaml --cluster 2x8xH100 --set parallel.ulysses=2
     """
     from ringray.capacity import PlanError, custom_cluster, parse_cluster, plan_job
     from ringray.spec import JobSpecError, load_job_spec

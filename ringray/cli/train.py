@@ -47,7 +47,7 @@ def train(
     options = job.train
     err.print(
         f"ringray: job {job.name!r}, {options.model.num_params() / 1e6:.2f}M-parameter model, "
-        f"dp={job.dp_max} × cp={job.cp} ({options.parallel.layout}), seq "
+        f"dp={job.dp_max} × cp={job.cp} ({options.layout_kind}), seq "
         f"{options.train.seq_len}, {options.train.steps} steps, "
         f"on {'Ray at ' + address if address else 'an embedded local Ray'}",
         highlight=False,
@@ -145,8 +145,10 @@ def _run_on_ray(job: JobOptions, *, address: str | None) -> None:
             except KeyboardInterrupt:
                 presses = view.interrupt()
                 if presses == 1:
-                    view.say(_stopping_message(view.state, embedded=embedded))
-                    request_stop(controller)
+                    # The state the request met, not the last one polled: a job seen
+                    # starting may be training by now, and then it checkpoints first.
+                    state = request_stop(controller)
+                    view.say(_stopping_message(state, embedded=embedded))
                 elif not embedded:
                     err.print("detached; the job goes on (ringray train with the same spec "
                               "reattaches)")

@@ -73,9 +73,11 @@ class JobController:
                                                 daemon=True)
                 self._thread.start()
 
-    def stop(self) -> None:
-        """Checkpoint where possible, then stop; honoured in every state."""
+    def stop(self) -> str:
+        """Checkpoint where possible, then stop; honoured in every state. Returns the state
+        the job was in when the request arrived (what the stop will do depends on it)."""
         self._stop_requested.set()
+        return self.record.status().state
 
     def status(self) -> JobStatus:
         return self.record.status()

@@ -78,9 +78,10 @@ def job_status(controller) -> JobStatus:
     return ray.get(controller.status.remote())
 
 
-def request_stop(controller) -> None:
-    """Ask the job to checkpoint at its next step boundary and stop (returns at once)."""
-    controller.stop.remote()
+def request_stop(controller) -> str:
+    """Ask the job to checkpoint at its next step boundary and stop; returns the state the
+    job was in when the request arrived."""
+    return ray.get(controller.stop.remote())
 
 
 def follow(

@@ -6,7 +6,7 @@ name, its training options, the cluster section and the metrics endpoint, with t
 controller needs resolved (the elastic floor, each worker's Ray resources)::
 
     job = JobOptions(name="quick", train=train_options, cluster=ClusterOptions(dp_min=1))
-    job.cp, job.dp_max, job.dp_min, job.worker_resources
+    job.cp, job.ulysses, job.dp_max, job.dp_min, job.worker_resources
 """
 
 from __future__ import annotations
@@ -137,6 +137,12 @@ class JobOptions:
     @property
     def cp(self) -> int:
         return self.train.parallel.cp
+
+    @property
+    def ulysses(self) -> int:
+        """Ranks per Ulysses group (``parallel.ulysses``): placement keeps each group of
+        this many consecutive ranks on one node."""
+        return self.train.parallel.ulysses
 
     @property
     def dp_max(self) -> int:

@@ -19,6 +19,9 @@ ring runs at the speed of its slowest link. The plan therefore, in priority orde
    where that costs no hop;
 4. is deterministic: the same snapshot (in any order) gives the same plan, ties by node id.
 
+With Ulysses × ring context parallelism (``ulysses`` > 1) every group of ``ulysses``
+consecutive ranks of a ring stays on one node, and the same plan is made for whole groups.
+
 How step 2 is exact. Using every whole-ring slot first is optimal (checked against a brute
 force over every cluster of up to 5 nodes x 6 slots, every cp and dp; ``tests/test_placement.py``
 pins every cluster of up to 4 nodes x 4 slots). What is left on each node is then under ``cp``
@@ -191,14 +194,20 @@ def plan_placement(
     failure_domain: str | None = "zone",
     bandwidths: LinkBandwidths | None = None,
     kv_block_bytes: int | None = None,
+    ulysses: int = 1,
 ) -> PlacementPlan:
     """Place ``dp`` rings of ``cp`` ranks on ``nodes``, dp the largest feasible of ``dp_options``.
 
     ``failure_domain`` names the node label whose values the rings spread over (None: no
     spreading). ``kv_block_bytes`` (the bytes one rank sends per ring step) turns on the
     predicted transfer time per ring; ``bandwidths`` defaults to ``LinkBandwidths()``.
+    ``ulysses`` > 1: each run of ``ulysses`` consecutive ranks of a ring (a Ulysses group,
+    whose all-to-all wants a node's fast links) sits on one node; see :func:`_plan_groups`.
     Raises ValueError for malformed arguments and PlacementError when no dp option fits.
     """
+    if ulysses > 1:
+        return _plan_groups(nodes, cp=cp, dp_options=dp_options, failure_domain=failure_domain,
+                            bandwidths=bandwidths, kv_block_bytes=kv_block_bytes, ulysses=ulysses)
     _check_arguments(nodes, cp=cp, dp_options=dp_options, kv_block_bytes=kv_block_bytes)
     live = sorted((node for node in nodes if node.slots > 0), key=lambda node: node.node_id)
     dp = _largest_feasible_dp(nodes, live, cp=cp, dp_options=dp_options)
@@ -210,6 +219,44 @@ def plan_placement(
     # independent of how the search happened to find them.
     rings.sort(key=lambda pieces: [node_id for node_id, _ in pieces])
     return _build_plan(rings, cp=cp, bandwidths=bandwidths or LinkBandwidths(), kv=kv_block_bytes)
+
+
+def _plan_groups(
+    nodes: Sequence[NodeSnapshot], *, cp: int, dp_options: Sequence[int],
+    failure_domain: str | None, bandwidths: LinkBandwidths | None, kv_block_bytes: int | None,
+    ulysses: int,
+) -> PlacementPlan:
+    """Plan with Ulysses groups kept whole: a group of ``ulysses`` ranks is one unit, a node
+    offers ``slots // ulysses`` units, a ring is ``cp // ulysses`` units, and the plan for
+    units (exact as above) is spread back to ranks, each unit's ranks on its node. A ring of
+    units over ``k`` nodes still crosses ``k`` node boundaries per ring step: the ring's K/V
+    blocks travel between units (each rank to the same Ulysses index of the next unit)."""
+    if isinstance(ulysses, bool) or not isinstance(ulysses, int) or ulysses < 1:
+        raise ValueError(f"ulysses: must be an integer >= 1; got {ulysses!r}")
+    if cp % ulysses:
+        raise ValueError(f"ulysses: cp={cp} is not a multiple of ulysses={ulysses} (a ring "
+                         f"is cp / ulysses Ulysses groups)")
+    units = [NodeSnapshot(node_id=node.node_id, slots=node.slots // ulysses, labels=node.labels)
+             for node in nodes]
+    try:
+        plan = plan_placement(units, cp=cp // ulysses, dp_options=dp_options,
+                              failure_domain=failure_domain, bandwidths=bandwidths,
+                              kv_block_bytes=kv_block_bytes)
+    except PlacementError as exc:
+        raise PlacementError(f"{exc} (counting whole Ulysses groups of {ulysses} ranks, each "
+                             f"on one node: a node's slots // {ulysses})") from None
+    ranks = tuple(
+        RankPlacement(rank=unit.rank * ulysses + u, node_id=unit.node_id,
+                      slot=unit.slot * ulysses + u)
+        for unit in plan.ranks for u in range(ulysses)
+    )
+    rings = tuple(
+        RingCost(ring=ring.ring, ranks=tuple(range(ring.ring * cp, (ring.ring + 1) * cp)),
+                 nodes=ring.nodes, cross_node_hops=ring.cross_node_hops,
+                 step_transfer_seconds=ring.step_transfer_seconds)
+        for ring in plan.rings
+    )
+    return PlacementPlan(dp=plan.dp, cp=cp, ranks=ranks, rings=rings)
 
 
 def verify_placement(plan: PlacementPlan, actual_nodes: Sequence[str]) -> None:

@@ -7,7 +7,8 @@
     ring.teardown()
 
 Workers are created in a placement group whose bundles are pinned to the planned nodes (Ray's
-``ray.io/node-id`` label), checked against the plan once they report where they run, and
+``ray.io/node-id`` label; with ``parallel.ulysses`` each Ulysses group's ranks on one node),
+checked against the plan once they report where they run, and
 joined into one process group through rank 0's TCP rendezvous. Every wait goes through
 :class:`~ringray.cluster.watch.RingWatch`, which turns what goes wrong into
 :class:`~ringray.cluster.errors.RingFailure` (or :class:`JobError` when a retry cannot help).
@@ -76,7 +77,7 @@ class RayRing:
         return plan_placement(
             nodes, cp=self.job.cp, dp_options=dp_choices,
             failure_domain=self.cluster.failure_domain, bandwidths=bandwidths,
-            kv_block_bytes=self._kv_block_bytes(),
+            kv_block_bytes=self._kv_block_bytes(), ulysses=self.job.ulysses,
         )
 
     def feasible_dp(self, dp_choices: tuple[int, ...], *, avoid: frozenset[str]) -> int:
@@ -86,11 +87,15 @@ class RayRing:
             return 0
 
     def _kv_block_bytes(self) -> int:
-        """Bytes of the K/V block one rank passes per layer and ring step, at the target dp."""
+        """Bytes of the K/V block one rank passes per layer and ring step, at the target dp.
+        With Ulysses a ring rank holds its member's chunk (``ulysses`` times the tokens) for
+        1/ulysses of the kv heads, repeated first when ulysses exceeds them: the same bytes,
+        times the repeat."""
         model, train = self.job.train.model, self.job.train.train
         element = 2 if self.cluster.accelerator == "gpu" else 4
         local_batch = max(1, train.global_batch // self.job.dp_max)
-        return (2 * local_batch * (train.seq_len // self.job.cp) * model.n_kv_heads
+        repeat = max(1, self.job.ulysses // model.n_kv_heads)
+        return (2 * local_batch * (train.seq_len // self.job.cp) * model.n_kv_heads * repeat
                 * model.head_dim * element)
 
     def ask_for_full_size(self) -> None:

@@ -6,8 +6,8 @@
 
 "ringray / Job" answers how the job is doing (state, throughput, MFU, loss, step time,
 checkpoints, restarts and recovery, world size against its target); "ringray / Ring" answers
-how its rings are doing (overlap and imbalance per ring, exposed communication per rank, ring
-traffic, the straggler, memory). Every metric name goes through
+how its rings are doing (overlap and imbalance per ring, exposed communication per rank, the
+Ulysses all-to-alls' time, ring traffic, the straggler, memory). Every metric name goes through
 :func:`ringray.metrics.catalog.metric`, so a name that is not in the catalog fails the build.
 
 The dashboards are built with Grafana's foundation SDK (``grafana-foundation-sdk``, typed
@@ -298,6 +298,22 @@ def ring_dashboard() -> dashboard.Dashboard:
                                instant=True)))
         .unit("s").min(0),
     ]
+    a2a_seconds = series("ringray_a2a_seconds")
+    ulysses = [
+        timeseries_panel("All-to-all seconds per rank", 12, "Seconds each rank spent in "
+                         "Ulysses all-to-alls (heads to sequence and back, forward and "
+                         "backward) per step; all exposed: nothing computes meanwhile (0 "
+                         "without parallel.ulysses).")
+        .targets(queries(query(a2a_seconds, "rank {{rank}}"))).unit("s").min(0),
+        timeseries_panel("Ring exposed vs all-to-all per ring", 12, "Per ring (dp index), "
+                         "the slowest rank's exposed ring communication beside its slowest "
+                         "all-to-all time, per step: with Ulysses, the two waits a step "
+                         "trades against each other.")
+        .targets(queries(
+            query(f"max by (ring) ({exposed_seconds})", "ring {{ring}} · ring exposed"),
+            query(f"max by (ring) ({a2a_seconds})", "ring {{ring}} · all-to-all"),
+        )).unit("s").min(0),
+    ]
     resources = [
         timeseries_panel("Ring bytes sent per rank", 8, "Bytes per second each rank sends "
                          "around its ring.")
@@ -312,8 +328,9 @@ def ring_dashboard() -> dashboard.Dashboard:
         .unit("bytes").min(0),
     ]
     board = _board("ringray-ring", "ringray / Ring", "The rings of a ringray job: overlap, "
-                   "load balance, exposed communication, traffic, stragglers and memory.")
-    return place(board, [stats, rings, exposed, straggler, resources])
+                   "load balance, exposed communication, Ulysses all-to-alls, traffic, "
+                   "stragglers and memory.")
+    return place(board, [stats, rings, exposed, straggler, ulysses, resources])
 
 
 def dashboards() -> dict[str, Dashboard]:

@@ -19,6 +19,7 @@ global, a checkpoint taken at one DP degree resumes at any other.
     >>> loader = PackedLoader(make_source("stdlib", None), tokenizer=ByteTokenizer(),
     ...                       seq_len=8192, global_batch=8, dp_rank=0, dp_size=2, seed=0)
     >>> inputs, labels = loader.next_batch()         # (4, 8192) long each
+    >>> packed = loader.next_packed()                # ... with each row's document lengths
     >>> state = loader.state_dict()                  # store with the model checkpoint
 """
 
@@ -37,6 +38,24 @@ from ringray.data.tokenizer import Tokenizer
 
 _EPOCHS_CACHED = 4
 """Epoch orders kept in memory: a batch touches at most a few consecutive epochs."""
+
+IGNORE_LABEL = -100
+"""A label that does not count (``torch.nn.functional.cross_entropy``'s ``ignore_index``)."""
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """One DP rank's share of a global batch, with where its documents begin and end."""
+
+    inputs: torch.Tensor
+    """``(local_batch, seq_len)`` token ids."""
+    labels: torch.Tensor
+    """``(local_batch, seq_len)`` next tokens; ``IGNORE_LABEL`` at each document's last
+    token, whose next token belongs to another document."""
+    documents: tuple[tuple[int, ...], ...]
+    """Document lengths of each row, summing to ``seq_len``."""
+    counted_labels: int
+    """Labels that are not ``IGNORE_LABEL`` in the whole global batch (all DP ranks)."""
 
 
 @dataclass(frozen=True)
@@ -190,6 +209,68 @@ class PackedLoader:
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``batch(next_index)``, then advance ``next_index``."""
         result = self.batch(self.next_index)
+        self.next_index += 1
+        return result
+
+    # ----------------------------------------------------------------- packed documents
+    def _document_ends(self, start: int, stop: int) -> list[int]:
+        """Stream offsets in ``[start, stop)`` of each document's last token (its eos)."""
+        ends = []
+        epoch = start // self.epoch_tokens
+        while epoch * self.epoch_tokens < stop:
+            base = epoch * self.epoch_tokens
+            index = self._epoch_index(epoch)
+            first = bisect.bisect_right(index.starts, start - base) - 1
+            for slot in range(max(first, 0), len(index.order)):
+                end = base + index.starts[slot] + self._lengths[index.order[slot]]
+                if end >= stop:
+                    break
+                if end >= start:
+                    ends.append(end)
+            epoch += 1
+        return ends
+
+    def documents(self, index: int) -> tuple[tuple[int, ...], ...]:
+        """The document lengths of each of this rank's sequences of global batch ``index``
+        (a sequence's first document may be the end of one that began in the previous
+        sequence, its last the start of one that continues in the next). Read from the
+        epoch orders alone: no token is read."""
+        rows = []
+        first_sequence = index * self.global_batch + self.dp_rank * self.local_batch
+        for row in range(self.local_batch):
+            start = (first_sequence + row) * self.seq_len
+            cuts = [end - start + 1 for end in self._document_ends(start, start + self.seq_len)]
+            bounds = [0, *[c for c in cuts if c < self.seq_len], self.seq_len]
+            rows.append(tuple(b - a for a, b in zip(bounds, bounds[1:], strict=False)))
+        return tuple(rows)
+
+    def packed(self, index: int) -> PackedBatch:
+        """Global batch ``index`` for this rank with its document boundaries: the labels of
+        each document's last token (the one before the next document) are ``IGNORE_LABEL``,
+        so no token predicts across a boundary; ``counted_labels`` is the number of labels
+        that count in the whole *global* batch (every DP rank's), the loss's denominator."""
+        inputs, labels = self.batch(index)
+        labels = labels.clone()  # a view of the inputs' buffer: mask a copy
+        documents = self.documents(index)
+        for row, lengths in enumerate(documents):
+            ends = list(itertools.accumulate(lengths))
+            # A sequence's last document continues into the next sequence unless it ends
+            # exactly at the sequence's end; only a real end masks its label.
+            start = (index * self.global_batch + self.dp_rank * self.local_batch + row) \
+                * self.seq_len
+            real = set(self._document_ends(start, start + self.seq_len))
+            for end in ends:
+                if start + end - 1 in real:
+                    labels[row, end - 1] = IGNORE_LABEL
+        first = index * self.global_batch * self.seq_len
+        stop = first + self.global_batch * self.seq_len
+        counted = self.global_batch * self.seq_len - len(self._document_ends(first, stop))
+        return PackedBatch(inputs=inputs, labels=labels, documents=documents,
+                           counted_labels=counted)
+
+    def next_packed(self) -> PackedBatch:
+        """``packed(next_index)``, then advance ``next_index``."""
+        result = self.packed(self.next_index)
         self.next_index += 1
         return result
 

@@ -49,6 +49,13 @@ class DataOptions:
     where the job is loaded."""
     seed: int = 0
     """Document order seed (the loader is deterministic)."""
+    documents: bool = False
+    """Keep packed documents apart: attention stays within each document (causal inside it,
+    none across), no token's loss predicts the next document's first token, and the ring's
+    layout (parallel.layout: auto) balances the documents' work."""
+    document_positions: bool = True
+    """With documents: RoPE positions restart at 0 in each document (false: they run over the
+    whole sequence)."""
 
     def __post_init__(self) -> None:
         if self.path is not None and "://" in self.path:
@@ -57,6 +64,9 @@ class DataOptions:
         if self.source == "files" and not self.path:
             raise ValueError("path: required when source is 'files'; give a directory of "
                              ".txt/.jsonl files")
+        if not self.documents and not self.document_positions:
+            raise ValueError("document_positions: false only applies with documents: true "
+                             "(without documents positions always run over the sequence)")
         if self.source != "files" and self.path:
             raise ValueError(f"path: only read when source is 'files' (it is "
                              f"{self.source!r}); remove it or set source: files")

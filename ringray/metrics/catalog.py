@@ -70,6 +70,10 @@ CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec("ringray_exposed_comm_seconds", "gauge",
                "Seconds the rank waited for ring transfers that compute did not hide, last "
                "step.", RANK),
+    MetricSpec("ringray_a2a_seconds", "gauge",
+               "Seconds the rank spent in Ulysses all-to-alls (sequence to heads and back, "
+               "forward and backward), last step; all exposed, apart from the ring's exposed "
+               "communication; 0 without Ulysses.", RANK),
     MetricSpec("ringray_ring_sent_bytes_total", "counter",
                "Bytes the rank has sent around its ring.", RANK),
     MetricSpec("ringray_peak_memory_bytes", "gauge",

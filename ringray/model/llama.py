@@ -10,14 +10,22 @@ attention is per token, so it runs locally; rotary embeddings use each token's *
 position (``layout.positions(rank)``), and attention goes round the ring with
 :func:`ringray.attention.ring_attention`. With one rank this is an ordinary decoder, and a
 CP=N run computes the same function as a CP=1 run (the exactness contract tested in
-``tests/test_train_exact.py``).
+``tests/test_train_exact.py``). With Ulysses × ring (``RingContext.ulysses_group``, a grid
+layout) the head all-to-alls happen inside ``ring_attention``; the rest of the model still
+sees this rank's tokens with all heads (``tests/test_train_ulysses.py``).
+
+Packed documents: a context built with :meth:`RingContext.for_documents` passes the
+sequence's document lengths to the ring (attention stays inside each document) and, with
+``restart_positions``, rotates each token by its position *within its document*; the ring's
+mask still works on global positions (``tests/test_train_documents.py``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -25,7 +33,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ringray.attention import Layout, RingStats, make_layout, ring_attention
+from ringray.attention import (
+    Documents,
+    Layout,
+    RingStats,
+    check_documents,
+    make_layout,
+    ring_attention,
+)
 from ringray.model.config import ModelConfig
 from ringray.model.rope import apply_rotary, compute_dtype, rotary_tables
 
@@ -42,10 +57,44 @@ class RingContext:
     layout: Layout
     rank: int = 0
     group: dist.ProcessGroup | None = None
+    """The ring (with Ulysses: the ranks that share this rank's ulysses index)."""
+    ulysses_group: dist.ProcessGroup | None = None
+    """The Ulysses group this rank swaps sequence for heads with around the ring (``layout``
+    is then a ring × Ulysses grid layout and ``rank`` this rank's index in the grid);
+    ``None``: ring only."""
     backend: str = "auto"
     stats: RingStats | None = None
+    documents: Documents | None = None
+    """Document lengths of the global sequence, shared by the batch's rows (passed to
+    :func:`ring_attention`); ``None``: one document."""
+    rope_positions: torch.Tensor | None = None
+    """This rank's RoPE positions, in local order (see :meth:`for_documents`); ``None``: the
+    global positions."""
+
+    @classmethod
+    def for_documents(
+        cls, documents: Documents | Sequence[int], *, layout: Layout, rank: int = 0,
+        restart_positions: bool, device: torch.device | None = None, **fields: Any,
+    ) -> RingContext:
+        """A context for sequences packed from ``documents`` (lengths summing to the
+        layout's sequence length). With ``restart_positions`` RoPE positions restart at 0 in
+        each document, computed here once (on ``device``) for every layer and step that
+        reuses the context. ``fields``: the other fields (group, backend, stats, ...)."""
+        docs = check_documents(documents, layout.seq_len)
+        rope_positions = None
+        if restart_positions:
+            positions = layout.positions(rank)
+            starts = torch.tensor(docs.bounds[:-1])[docs.ids]  # each position's document start
+            rope_positions = positions - starts[positions]
+            if device is not None:
+                rope_positions = rope_positions.to(device)
+        return cls(layout=layout, rank=rank, documents=docs, rope_positions=rope_positions,
+                   **fields)
 
     def positions(self, device: torch.device) -> torch.Tensor:
+        """The RoPE positions of this rank's tokens, in local order."""
+        if self.rope_positions is not None:
+            return self.rope_positions.to(device)
         return self.layout.positions(self.rank).to(device)
 
 
@@ -97,8 +146,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Attention over the whole ring (the only step that communicates)."""
         return ring_attention(
-            q, k, v, ring.group, layout=ring.layout, causal=True,
-            backend=ring.backend, stats=ring.stats,
+            q, k, v, ring.group, ulysses_group=ring.ulysses_group, layout=ring.layout,
+            causal=True,
+            backend=ring.backend, stats=ring.stats, documents=ring.documents,
         )
 
     def project_out(self, out: torch.Tensor) -> torch.Tensor:

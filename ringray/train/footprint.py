@@ -24,6 +24,13 @@ The accounting follows what :mod:`ringray.train.trainer` allocates:
   and recomputes (:func:`recompute_bytes_per_token`).
 - **Ring buffers**: :func:`ring_buffer_bytes_per_token` (counted from
   :mod:`ringray.attention.ring`).
+- **Ulysses × ring** (``ulysses`` U > 1, :mod:`ringray.attention.ulysses`): the ring runs over
+  cp / U ranks, each holding its member's chunk (U times its own tokens) for 1/U of the heads,
+  so per local token its q, output, LSE and K/V block are the same bytes, except that K/V
+  heads repeated onto U > kv_heads ranks count ``r = U / kv_heads`` times. The all-to-all
+  hands attention's output back as a new tensor (the output projection's input), one more
+  ``ahe`` per token; and the backward's all-to-all of dq/dk/dv holds four copies of them at
+  once (its input, send and receive buffers, and its output).
 - **Step transients.** After the backward (when the activations are freed) AdamW's foreach
   update allocates a float32 temporary the size of the (local) parameters, and a replicated
   run's gradient all-reduce a flat float32 buffer of every gradient first: 4 bytes per local
@@ -42,12 +49,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ringray.attention.ulysses import check_ulysses_heads
 from ringray.model import ModelConfig
 from ringray.model.llama import ActivationCheckpointing as Checkpointing
 
 
-def _block_terms(cfg: ModelConfig, *, bf16: bool, bf16_weights: bool = False
-                 ) -> tuple[int, int, int]:
+def kv_repeat(cfg: ModelConfig, ulysses: int) -> int:
+    """How many copies of each K/V head a Ulysses group of ``ulysses`` ranks makes: 1 when
+    the kv heads split over it, ``ulysses / kv_heads`` when they do not (``ValueError``
+    when neither works)."""
+    return check_ulysses_heads(cfg.n_heads, cfg.n_kv_heads, ulysses) if ulysses > 1 else 1
+
+
+def _block_terms(cfg: ModelConfig, *, bf16: bool, bf16_weights: bool = False,
+                 ulysses: int = 1) -> tuple[int, int, int]:
     """(before the ring, the ring's, after the ring): the bytes per token that one block
     saves for its backward in each of its three parts (see
     :func:`layer_activation_bytes_per_token`)."""
@@ -58,12 +73,14 @@ def _block_terms(cfg: ModelConfig, *, bf16: bool, bf16_weights: bool = False
         qkv_in, w13_in = a * d, a * d
     else:
         qkv_in, w13_in = (3 * a * d, 2 * a * d) if bf16 else (4 * d, 4 * d)
-    attention = 2 * a * h * e + 4 * h + 2 * a * k * e
+    attention = 2 * a * h * e + 4 * h + 2 * a * k * kv_repeat(cfg, ulysses) * e
+    if ulysses > 1:  # the output back in sequence order: a new tensor, the o projection's input
+        attention += a * h * e
     return norm + qkv_in, attention, norm + w13_in + 4 * a * f
 
 
 def layer_activation_bytes_per_token(cfg: ModelConfig, *, bf16: bool,
-                                     bf16_weights: bool = False) -> int:
+                                     bf16_weights: bool = False, ulysses: int = 1) -> int:
     """Bytes one decoder block saves for its backward, per token (``d`` = dim, ``h``/``k`` =
     query/kv heads, ``e`` = head_dim, ``f`` = ffn_hidden, ``a`` = 2 with bf16, 4 in fp32).
     The residual stream is float32 (float32 weights; bf16 outputs add into it), or bf16 with
@@ -78,7 +95,10 @@ def layer_activation_bytes_per_token(cfg: ModelConfig, *, bf16: bool,
         w1/w3 in   2ad | 4d | ad       the same for the two SwiGLU input projections
         attention  2ahe + 4h + 2ake    ring attention saves q and its output (the o
                                        projection's input is that same tensor), the float32
-                                       LSE per query head, and the last K/V block it held
+                                       LSE per query head, and the last K/V block it held;
+                                       with Ulysses (U > 1) the K/V block is 2aker (r: the
+                                       K/V repeat, :func:`kv_repeat`) and the o projection's
+                                       input is the all-to-all's own output, + ahe
         SwiGLU     4af                 w1 out (SiLU's input), SiLU out, w3 out, and their
                                        product (w2's input)
 
@@ -86,7 +106,7 @@ def layer_activation_bytes_per_token(cfg: ModelConfig, *, bf16: bool,
     a constant keeps the constant, not the activation. ``tests/test_capacity.py`` checks
     this count against the tensors autograd actually saves.
     """
-    return sum(_block_terms(cfg, bf16=bf16, bf16_weights=bf16_weights))
+    return sum(_block_terms(cfg, bf16=bf16, bf16_weights=bf16_weights, ulysses=ulysses))
 
 
 def head_activation_bytes_per_token(cfg: ModelConfig, *, bf16: bool) -> int:
@@ -105,46 +125,49 @@ def head_activation_bytes_per_token(cfg: ModelConfig, *, bf16: bool) -> int:
 
 
 def kept_activation_bytes_per_token(cfg: ModelConfig, *, bf16: bool, checkpointing: Checkpointing,
-                                    bf16_weights: bool = False) -> int:
+                                    bf16_weights: bool = False, ulysses: int = 1) -> int:
     """What the forward leaves alive for the backward, per local token over the whole model:
     every block's saved tensors (``none``); each block's input only (``full``: float32, or
     bf16 with ``bf16_weights``); each block's input and its ring attention's saved tensors
     (``selective``); plus the head's."""
     per_layer = _layer_kept(cfg, bf16=bf16, checkpointing=checkpointing,
-                            bf16_weights=bf16_weights)
+                            bf16_weights=bf16_weights, ulysses=ulysses)
     return cfg.n_layers * per_layer + head_activation_bytes_per_token(cfg, bf16=bf16)
 
 
 def _layer_kept(cfg: ModelConfig, *, bf16: bool, checkpointing: Checkpointing,
-                bf16_weights: bool) -> int:
+                bf16_weights: bool, ulysses: int = 1) -> int:
     """What one block keeps from its forward for its backward, per token."""
-    before, ring, after = _block_terms(cfg, bf16=bf16, bf16_weights=bf16_weights)
+    before, ring, after = _block_terms(cfg, bf16=bf16, bf16_weights=bf16_weights,
+                                       ulysses=ulysses)
     block_input = (2 if bf16_weights else 4) * cfg.dim
     return {"none": before + ring + after, "full": block_input,
             "selective": block_input + ring}[checkpointing]
 
 
 def recompute_bytes_per_token(cfg: ModelConfig, *, bf16: bool, checkpointing: Checkpointing,
-                              bf16_weights: bool = False) -> int:
+                              bf16_weights: bool = False, ulysses: int = 1) -> int:
     """What the backward rebuilds at one time, per local token: one whole block (``full``),
     the larger of a block's two regions around the ring pass (``selective``: the part after
     it is recomputed and released before the part before it), or nothing (``none``)."""
-    before, ring, after = _block_terms(cfg, bf16=bf16, bf16_weights=bf16_weights)
+    before, ring, after = _block_terms(cfg, bf16=bf16, bf16_weights=bf16_weights,
+                                       ulysses=ulysses)
     return {"none": 0, "full": before + ring + after,
             "selective": max(before, after)}[checkpointing]
 
 
 def activation_bytes_per_token(cfg: ModelConfig, *, bf16: bool, checkpointing: Checkpointing,
-                               bf16_weights: bool = False) -> int:
+                               bf16_weights: bool = False, ulysses: int = 1) -> int:
     """Activations per local token at their peak (the start of the backward): what the
     forward kept plus what the backward recomputes at once."""
     return (kept_activation_bytes_per_token(cfg, bf16=bf16, checkpointing=checkpointing,
-                                            bf16_weights=bf16_weights)
+                                            bf16_weights=bf16_weights, ulysses=ulysses)
             + recompute_bytes_per_token(cfg, bf16=bf16, checkpointing=checkpointing,
-                                        bf16_weights=bf16_weights))
+                                        bf16_weights=bf16_weights, ulysses=ulysses))
 
 
-def ring_buffer_bytes_per_token(cfg: ModelConfig, *, cp: int, bf16: bool) -> int:
+def ring_buffer_bytes_per_token(cfg: ModelConfig, *, cp: int, bf16: bool,
+                                ulysses: int = 1) -> int:
     """Buffers one ring-attention call allocates beyond what it saves, per local token
     (only one layer's ring runs at a time), counted from :mod:`ringray.attention.ring`;
     a K/V block is ``2ke`` elements per token::
@@ -154,16 +177,31 @@ def ring_buffer_bytes_per_token(cfg: ModelConfig, *, cp: int, bf16: bool) -> int
                                                     (float32 K/V gradient sums, x 3)
                                                   + dq accumulator (float32, 4he)
 
-    The current block is the one saved by the forward (an activation). With cp = 1 there is
-    no incoming block, no spare and only ``dkv_partial``. The larger phase (the backward)
-    is the figure.
+    The current block is the one saved by the forward (an activation). With a ring of one
+    rank there is no incoming block, no spare and only ``dkv_partial``. The larger phase
+    (the backward) is the figure.
+
+    With Ulysses (``ulysses`` U > 1, :mod:`ringray.attention.ulysses`) the ring has cp / U
+    ranks and its K/V block per local token is ``2ker`` elements (``r``: :func:`kv_repeat`);
+    the forward also holds the caller's q/k/v in sequence order, ``(h + 2k)ea``, while the
+    ring runs on their all-to-all'd copies; the backward holds dout in head order (``hea``)
+    beside the ring's buffers; and the backward's all-to-all of dq/dk/dv holds its input,
+    send and receive buffers and output at once, ``4(h + 2kr)ea``::
+
+        forward   kv_incoming + out accumulator + q/k/v in sequence order
+        backward  max(the ring's buffers above + dout in head order,
+                      4 x (h + 2kr)ea)
     """
     h, k, e = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     a = 2 if bf16 else 4
-    kv_block = 2 * k * e
-    ring = cp > 1
+    repeat = kv_repeat(cfg, ulysses)
+    kv_block = 2 * k * repeat * e
+    ring = cp // ulysses > 1
     forward = (kv_block * a if ring else 0) + 4 * h * e
     backward = (2 * kv_block * a if ring else 0) + (3 if ring else 1) * kv_block * 4 + 4 * h * e
+    if ulysses > 1:
+        forward += (h + 2 * k) * e * a
+        backward = max(backward + h * e * a, 4 * (h + 2 * k * repeat) * e * a)
     return max(forward, backward)
 
 
@@ -234,19 +272,22 @@ class Footprint:
 
 
 def rank_footprint(cfg: ModelConfig, *, local_tokens: int, cp: int, shards: int, bf16: bool,
-                   checkpointing: Checkpointing) -> Footprint:
-    """One rank's memory with ``local_tokens`` tokens (its sequences' shares on a ring of
-    ``cp``), weights split ``shards`` ways (dp × cp with FSDP, 1 replicated), bf16 compute
-    (autocast when replicated, FSDP's bf16 weights when sharded) or float32."""
+                   checkpointing: Checkpointing, ulysses: int = 1) -> Footprint:
+    """One rank's memory with ``local_tokens`` tokens (its sequences' shares over ``cp``
+    ranks, a ring of cp / ``ulysses`` Ulysses groups), weights split ``shards`` ways (dp × cp
+    with FSDP, 1 replicated), bf16 compute (autocast when replicated, FSDP's bf16 weights
+    when sharded) or float32."""
     sharded = shards > 1
     local_params = math.ceil(cfg.num_params() / shards)
     autocast_copies = 2 * _matmul_params(cfg) if bf16 and not sharded else 0
     weights = 4 * local_params + autocast_copies
-    terms = dict(bf16=bf16, checkpointing=checkpointing, bf16_weights=bf16 and sharded)
+    terms = dict(bf16=bf16, checkpointing=checkpointing, bf16_weights=bf16 and sharded,
+                 ulysses=ulysses)
     kept = local_tokens * kept_activation_bytes_per_token(cfg, **terms)
     recompute = local_tokens * recompute_bytes_per_token(cfg, **terms)
-    ring = local_tokens * ring_buffer_bytes_per_token(cfg, cp=cp, bf16=bf16)
-    before, ring_saved, _ = _block_terms(cfg, bf16=bf16, bf16_weights=terms["bf16_weights"])
+    ring = local_tokens * ring_buffer_bytes_per_token(cfg, cp=cp, bf16=bf16, ulysses=ulysses)
+    before, ring_saved, _ = _block_terms(cfg, bf16=bf16, bf16_weights=terms["bf16_weights"],
+                                         ulysses=ulysses)
     alongside = local_tokens * (before + ring_saved) if checkpointing == "full" else 0
     working = max(recompute, alongside + ring)
     last_block_kept = local_tokens * _layer_kept(cfg, **terms)

@@ -173,7 +173,7 @@ def _run(trainer: Trainer, options: TrainOptions, run_dir: Path, *, stop_after: 
     shape, train = trainer.mesh.shape, options.train
     say(
         f"ringray: {options.model.num_params() / 1e6:.2f}M-parameter model, "
-        f"dp={shape.dp} × cp={shape.cp} ({options.parallel.layout}), seq {train.seq_len}, "
+        f"dp={shape.dp} × cp={shape.cp} ({options.layout_kind}), seq {train.seq_len}, "
         f"global batch {train.global_batch}, {train.steps} steps, device {trainer.device}"
     )
 

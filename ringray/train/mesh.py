@@ -1,13 +1,19 @@
-"""The data-parallel × context-parallel mesh.
+"""The data-parallel × context-parallel mesh, its cp dimension a ring × Ulysses grid.
 
     shape = resolve_mesh_shape(world_size=8, dp=2, cp=None)   # cp inferred: 4
+    shape = resolve_mesh_shape(world_size=8, dp=2, cp=4, ulysses=2)  # ring 2 × ulysses 2
     mesh = build_mesh(shape)                                   # needs torch.distributed
 
-Ranks are laid out as ``arange(world).view(dp, cp)``: a row is one context-parallel ring
-(consecutive ranks, so a ring stays on as few nodes as possible), a column is one
-data-parallel group. Gradients are summed over the whole mesh: weights are replicated
-everywhere, or, with ``parallel.fsdp``, sharded over the whole mesh flattened (rank order is
-already the flattened dp × cp order; :mod:`ringray.train.sharding`).
+Ranks are laid out as ``arange(world).view(dp, ring, ulysses)``: global rank = dp_index × cp
++ ring_index × ulysses + ulysses_index, with cp = ring × ulysses. The ``cp`` ranks of one
+dp index share each sequence (consecutive ranks, so they stay on as few nodes as possible);
+a column over dp is one data-parallel group. Inside the cp ranks, a run of ``ulysses``
+consecutive ranks is one Ulysses group (one node: its all-to-all wants fast links) and the
+ranks that share an ulysses index are one ring (the layout's convention,
+:func:`ringray.attention.make_layout` with ``ulysses=``). With ``ulysses`` 1 the ring is the
+whole cp group and there is no Ulysses group. Gradients are summed over the whole mesh:
+weights are replicated everywhere, or, with ``parallel.fsdp``, sharded over the whole mesh
+flattened (rank order is already the flattened dp × cp order; :mod:`ringray.train.sharding`).
 """
 
 from __future__ import annotations
@@ -21,24 +27,41 @@ import torch.distributed as dist
 @dataclass(frozen=True, kw_only=True)
 class MeshShape:
     dp: int
-    cp: int
+    cp: int  # ranks per sequence: ring × ulysses
+    ulysses: int = 1
+
+    def __post_init__(self) -> None:
+        if self.ulysses < 1 or self.cp % self.ulysses:
+            raise ValueError(f"parallel.ulysses: {self.ulysses} does not divide cp={self.cp}; "
+                             f"use a divisor of {self.cp}")
 
     @property
     def world_size(self) -> int:
         return self.dp * self.cp
 
+    @property
+    def ring(self) -> int:
+        """Ranks of one ring: cp / ulysses."""
+        return self.cp // self.ulysses
+
     def coords(self, rank: int) -> tuple[int, int]:
         """``(dp_rank, cp_rank)`` of a global rank."""
         return divmod(rank, self.cp)
 
+    def grid_coords(self, cp_rank: int) -> tuple[int, int]:
+        """``(ring_index, ulysses_index)`` of a rank's index within its cp ranks."""
+        return divmod(cp_rank, self.ulysses)
 
-def resolve_mesh_shape(*, world_size: int, dp: int | None, cp: int | None) -> MeshShape:
-    """Fill in at most one missing degree from the world size and check the product.
+
+def resolve_mesh_shape(*, world_size: int, dp: int | None, cp: int | None,
+                       ulysses: int = 1) -> MeshShape:
+    """Fill in at most one missing degree from the world size and check the product (and
+    that ``ulysses`` divides cp, inferred or given).
 
     Raises:
         ValueError: showing the arithmetic when the degrees do not multiply out.
     """
-    for name, degree in (("dp", dp), ("cp", cp)):
+    for name, degree in (("dp", dp), ("cp", cp), ("ulysses", ulysses)):
         if degree is not None and degree < 1:
             raise ValueError(f"parallel.{name}: must be >= 1, got {degree}")
     if dp is None and cp is None:
@@ -62,19 +85,30 @@ def resolve_mesh_shape(*, world_size: int, dp: int | None, cp: int | None) -> Me
             f"parallel: dp × cp must equal the world size: {dp} × {cp} = {dp * cp}, "
             f"but the world has {world_size} rank(s)"
         )
-    return MeshShape(dp=dp, cp=cp)
+    if cp % ulysses:
+        raise ValueError(
+            f"parallel.ulysses: {ulysses} does not divide cp = {cp} (cp = ring × ulysses); use "
+            f"a divisor of {cp}"
+        )
+    return MeshShape(dp=dp, cp=cp, ulysses=ulysses)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Mesh:
-    """This rank's place in the mesh and its process groups (``None`` in a 1-process run)."""
+    """This rank's place in the mesh and its process groups (``None`` in a 1-process run).
+
+    ``cp_group`` holds every rank of this rank's sequences; ``ring_group`` is the ring this
+    rank's K/V blocks go round (``cp_group`` itself without Ulysses); ``ulysses_group`` the
+    ranks it exchanges heads with (``None`` without Ulysses, ``parallel.ulysses`` 1)."""
 
     shape: MeshShape
     rank: int
     dp_rank: int
-    cp_rank: int
+    cp_rank: int  # ring_index × ulysses + ulysses_index
     cp_group: dist.ProcessGroup | None
     dp_group: dist.ProcessGroup | None
+    ring_group: dist.ProcessGroup | None = None
+    ulysses_group: dist.ProcessGroup | None = None
 
     @property
     def distributed(self) -> bool:
@@ -82,7 +116,8 @@ class Mesh:
 
 
 def build_mesh(shape: MeshShape) -> Mesh:
-    """Create the CP and DP groups for ``shape`` (every rank must call this, in step)."""
+    """Create the CP and DP groups, and with Ulysses the ring and Ulysses groups, for
+    ``shape`` (every rank must call this, in step)."""
     if not (dist.is_available() and dist.is_initialized()):
         if shape.world_size != 1:
             raise ValueError(
@@ -108,7 +143,20 @@ def build_mesh(shape: MeshShape) -> Mesh:
         group = dist.new_group(column)
         if rank in column:
             dp_group = group
+    ring_group, ulysses_group = cp_group, None
+    if shape.ulysses > 1:
+        # Each dp index's cp ranks as (ring, ulysses): columns are rings, rows Ulysses groups.
+        cells = grid.view(shape.dp, shape.ring, shape.ulysses)
+        for ring in cells.transpose(1, 2).reshape(-1, shape.ring).tolist():
+            group = dist.new_group(ring)
+            if rank in ring:
+                ring_group = group
+        for run in cells.reshape(-1, shape.ulysses).tolist():
+            group = dist.new_group(run)
+            if rank in run:
+                ulysses_group = group
     return Mesh(
         shape=shape, rank=rank, dp_rank=dp_rank, cp_rank=cp_rank,
-        cp_group=cp_group, dp_group=dp_group,
+        cp_group=cp_group, dp_group=dp_group, ring_group=ring_group,
+        ulysses_group=ulysses_group,
     )

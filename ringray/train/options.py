@@ -27,6 +27,7 @@ from annotated_types import Ge, Gt, Le, Lt, MinLen
 
 from ringray.attention.backends import BACKENDS
 from ringray.attention.layouts import BUILTIN_LAYOUTS, seq_len_divisor
+from ringray.attention.ulysses import check_ulysses_heads
 from ringray.data import (
     PASSKEY_DIGITS,
     ByteTokenizer,
@@ -41,7 +42,7 @@ MAX_SEQ_LEN = 1 << 24
 """16M tokens: sixteen times the longest context in jobs/ (1M). Longer is almost surely a typo
 (an extra zero), and RoPE positions in float32 lose integer precision past 2**24."""
 
-LayoutName = Literal[BUILTIN_LAYOUTS]
+LayoutName = Literal[(*BUILTIN_LAYOUTS, "balanced", "auto")]
 BackendName = Literal[("auto", *BACKENDS)]
 SeqLen = Annotated[int, Ge(2), Le(MAX_SEQ_LEN)]
 
@@ -76,10 +77,20 @@ class ParallelOptions:
     dp: Annotated[int, Ge(1)] | None = 1
     """Data-parallel replicas; null: world size / cp (torchrun only)."""
     cp: Annotated[int, Ge(1)] | None = None
-    """Context-parallel ring size; null: world size / dp (torchrun only)."""
-    layout: LayoutName = "zigzag"
-    """How sequences are split over a ring; train.seq_len and eval.passkey_lengths must split
-    evenly (zigzag: multiples of 2 × cp; contiguous and striped: of cp)."""
+    """Context-parallel ranks per sequence, ring × ulysses; null: world size / dp (torchrun
+    only)."""
+    ulysses: Annotated[int, Ge(1)] = 1
+    """Ranks per Ulysses group: the cp ranks form cp / ulysses ring members of ulysses
+    consecutive ranks (kept on one node) that swap sequence shards for heads with an
+    all-to-all around the ring; 1: ring only. Divides cp; model.n_heads must split over it,
+    and model.n_kv_heads split over it or divide it (K/V heads are then repeated)."""
+    layout: LayoutName = "auto"
+    """How sequences are split over a ring. auto: balanced with data.documents, else zigzag;
+    balanced (data.documents only): each sequence laid out by its own documents, with equal
+    tokens and near-equal attention work per rank. train.seq_len and eval.passkey_lengths
+    must split evenly (zigzag: multiples of 2 × cp; contiguous, striped, balanced: of cp);
+    passkey evaluation (one document per sequence) runs zigzag where training runs
+    balanced."""
     attention_backend: BackendName = "auto"
     """Local attention kernel (auto: triton on CUDA when installed, else sdpa)."""
     fsdp: bool = False
@@ -87,6 +98,18 @@ class ParallelOptions:
     flattened mesh: each block's weights are all-gathered for its forward and backward, and
     gradients are summed by one reduce-scatter); false: replicated on every rank. With bf16
     precision the gathered weights are bf16 and gradients are reduced in fp32."""
+
+    def __post_init__(self) -> None:
+        if self.cp is not None and self.cp % self.ulysses:
+            raise ValueError(
+                f"ulysses: {self.ulysses} does not divide cp={self.cp} (cp = ring × ulysses: "
+                f"cp / ulysses ring members of ulysses ranks each); use a divisor of {self.cp}"
+            )
+
+    @property
+    def ring(self) -> int | None:
+        """Ranks of each ring, cp / ulysses (``None`` while cp is inferred)."""
+        return None if self.cp is None else self.cp // self.ulysses
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,19 +230,44 @@ class TrainOptions:
                 f"train.global_batch: {train.global_batch} does not split over "
                 f"parallel.dp={parallel.dp} replicas; use a multiple of {parallel.dp}"
             )
+        if parallel.layout == "balanced" and not self.data.documents:
+            raise ValueError(
+                "parallel.layout: 'balanced' lays each sequence out by its documents and needs "
+                "data.documents: true; use 'auto' (zigzag without documents) or another layout"
+            )
         if parallel.cp is not None:
-            divisor = seq_len_divisor(parallel.layout, parallel.cp)
-            lengths = [("train.seq_len", train.seq_len)] + [
-                ("eval.passkey_lengths", n) for n in self.eval.passkey_lengths
+            lengths = [("train.seq_len", train.seq_len, self.layout_kind)] + [
+                ("eval.passkey_lengths", n, self.eval_layout_kind)
+                for n in self.eval.passkey_lengths
             ]
-            for name, length in lengths:
+            for name, length, kind in lengths:
+                divisor = seq_len_divisor(kind, parallel.cp, parallel.ulysses)
                 if length % divisor:
                     raise ValueError(
-                        f"{name}: {length} cannot be split by layout {parallel.layout!r} over "
-                        f"cp={parallel.cp} ranks; use a multiple of {divisor}"
+                        f"{name}: {length} cannot be split by layout {kind!r} over "
+                        f"cp={parallel.cp} ranks{_grid_note(parallel)}; use a multiple of "
+                        f"{divisor}"
                     )
+        check_ulysses_model(self.model, parallel)
         if self.pretrained is None:  # a pretrained model's tokenizer is checked by the Trainer
             check_token_budget(self, ByteTokenizer())
+
+    @property
+    def layout_kind(self) -> str:
+        """The layout training runs: ``parallel.layout`` with ``auto`` resolved (``balanced``
+        with ``data.documents``, else ``zigzag``). ``balanced`` is built per sequence, for
+        its documents."""
+        if self.parallel.layout == "auto":
+            return "balanced" if self.data.documents else "zigzag"
+        return self.parallel.layout
+
+    @property
+    def eval_layout_kind(self) -> str:
+        """The layout of whole-sequence evaluation (passkey retrieval, next-token
+        prediction), whose sequences are one document each: the training layout, or zigzag
+        in place of ``balanced`` (these sequences have no document lengths to balance)."""
+        kind = self.layout_kind
+        return "zigzag" if kind == "balanced" else kind
 
     @property
     def checkpoint_location(self) -> str:
@@ -231,6 +279,36 @@ class TrainOptions:
         """``train.peak_tflops_per_device`` in FLOP/s (``None``: measure or look it up)."""
         peak = self.train.peak_tflops_per_device
         return peak * 1e12 if peak is not None else None
+
+
+def _grid_note(parallel: ParallelOptions) -> str:
+    """`` (ring 2 × ulysses 2)`` when the cp ranks form a ring × Ulysses grid, else ``""``."""
+    if parallel.ulysses == 1 or parallel.ring is None:
+        return ""
+    return f" (ring {parallel.ring} × ulysses {parallel.ulysses})"
+
+
+def check_ulysses_model(model: ModelConfig, parallel: ParallelOptions) -> None:
+    """Raise ``ValueError`` naming ``parallel.ulysses`` and the model's head counts unless
+    the heads can be shared over a Ulysses group (:func:`check_ulysses_heads`): query heads
+    split over it, and kv heads split over it or divide it (then repeated)."""
+    ulysses = parallel.ulysses
+    if ulysses == 1:
+        return
+    try:
+        check_ulysses_heads(model.n_heads, model.n_kv_heads, ulysses)
+    except ValueError:
+        if model.n_heads % ulysses:
+            raise ValueError(
+                f"parallel.ulysses: {ulysses} does not divide model.n_heads={model.n_heads} "
+                f"(each rank of a Ulysses group attends with n_heads / ulysses query heads); "
+                f"use a divisor of {model.n_heads}"
+            ) from None
+        raise ValueError(
+            f"parallel.ulysses: {ulysses} neither divides nor is a multiple of "
+            f"model.n_kv_heads={model.n_kv_heads} (kv heads are split over the group, or "
+            f"repeated onto it); use a divisor or a multiple of {model.n_kv_heads}"
+        ) from None
 
 
 def check_token_budget(options: TrainOptions, tokenizer: Tokenizer) -> None:

@@ -1,9 +1,10 @@
 """Per-step statistics of a training step, and how they are computed from the ranks' reports.
 
 Every rank reports a few numbers (its loss sum, attention compute and exposed-communication
-seconds, bytes sent round the ring, the ring's standalone transfer rate, peak memory) in one
-small all-gather; :func:`summarize_step` turns the gathered table into a :class:`StepStats`.
-It is pure, so the arithmetic is unit-tested without processes.
+seconds, bytes sent round the ring, the ring's standalone transfer rate, peak memory, and with
+Ulysses its all-to-alls' seconds) in one small all-gather; :func:`summarize_step` turns the
+gathered table into a :class:`StepStats`. It is pure, so the arithmetic is unit-tested without
+processes.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ REPORT_FIELDS = (
     "ring_bytes_sent",
     "transfer_seconds_per_byte",
     "peak_memory_bytes",
+    "a2a_seconds",
 )
 
 
@@ -29,11 +31,11 @@ class StepStats:
     """What one optimizer step did. Per-rank lists are in global rank order."""
 
     step: int  # optimizer steps completed, counting this one
-    loss: float  # token-mean cross-entropy over the global batch
+    loss: float  # cross-entropy, the mean over the global batch's counted labels
     grad_norm: float  # global L2 norm before clipping
     learning_rate: float
     step_seconds: float
-    tokens: int  # tokens in the global batch
+    tokens: int  # tokens in the global batch (every input token, counted labels or not)
     tokens_per_second: float
     attention_compute_seconds: list[float]
     exposed_comm_seconds: list[float]
@@ -46,6 +48,9 @@ class StepStats:
     load_imbalance_per_ring: list[float] = field(default_factory=list)
     ring_bytes_sent: list[int] = field(default_factory=list)  # this step, per rank
     peak_memory_bytes_per_rank: list[int] = field(default_factory=list)
+    # Seconds in Ulysses all-to-alls per rank (all exposed: nothing computes during one);
+    # zeros without Ulysses. Not part of exposed_comm_seconds, which is the ring's alone.
+    a2a_seconds: list[float] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -62,8 +67,12 @@ def summarize_step(
     tokens: int,
     flops_per_token: float,
     peak_flops_per_device: float | None,
+    counted_labels: int | None = None,
 ) -> StepStats:
-    """Combine the ranks' reports (``REPORT_FIELDS`` columns, one row per global rank)."""
+    """Combine the ranks' reports (``REPORT_FIELDS`` columns, one row per global rank).
+
+    ``counted_labels``: labels the loss is a mean over (packed documents leave each
+    document's last label out); ``None``: every token's."""
     rows = [dict(zip(REPORT_FIELDS, row, strict=True)) for row in reports]
     compute = [r["attention_compute_seconds"] for r in rows]
     exposed = [r["exposed_comm_seconds"] for r in rows]
@@ -78,7 +87,8 @@ def summarize_step(
         mfu = tokens_per_second * flops_per_token / (peak_flops_per_device * shape.world_size)
     return StepStats(
         step=step,
-        loss=sum(r["loss_sum"] for r in rows) / tokens,
+        loss=sum(r["loss_sum"] for r in rows) / (tokens if counted_labels is None
+                                                  else counted_labels),
         grad_norm=grad_norm,
         learning_rate=learning_rate,
         step_seconds=step_seconds,
@@ -96,4 +106,5 @@ def summarize_step(
         load_imbalance_per_ring=imbalances,
         ring_bytes_sent=[int(r["ring_bytes_sent"]) for r in rows],
         peak_memory_bytes_per_rank=[int(r["peak_memory_bytes"]) for r in rows],
+        a2a_seconds=[r["a2a_seconds"] for r in rows],
     )

@@ -13,6 +13,25 @@ sum divided by the global token count, and summing the ranks' gradients gives ex
 gradient of a single-device run on the same batch. Replicated weights sum them with one
 all-reduce over the mesh; with ``parallel.fsdp`` FSDP2's reduce-scatter sums them into each
 rank's shard (:mod:`ringray.train.sharding`).
+
+Ulysses × ring (``parallel.ulysses`` U > 1): the cp ranks of a sequence are a grid of
+cp / U ring members of U ranks (:mod:`ringray.train.mesh`), and the layout is
+``make_layout(kind, cp, seq_len, ulysses=U)``, so a rank still holds its own share of each
+sequence with every head and its loss covers exactly those tokens. Heads are split only
+inside attention, whose all-to-alls carry the gradients back to the ranks that own the
+tokens, so the sums above stay exact. The step reports the all-to-alls' seconds
+(``StepStats.a2a_seconds``) beside the ring's.
+
+Packed documents (``data.documents``): every row has its own document lengths, and the ring
+takes one list per call, so a rank runs its rows one at a time and accumulates their
+gradients (under FSDP only the last row's backward reduce-scatters). Each row is sharded with
+its own layout (``balanced``, under ``parallel.layout: auto``, is built for the row's
+documents); the row's :class:`RingContext` (layout, documents, RoPE positions on the device)
+is kept in a small LRU keyed by the lengths. Labels that cross a document boundary are
+``IGNORE_LABEL``, and the loss is the mean over the global batch's *counted* labels, so it
+does not depend on dp, cp or how rows are split. ``StepStats.tokens`` (and tokens/s) still
+counts every input token, and MFU still counts causal attention over the whole sequence, as
+without documents: it overstates the attention FLOPs the document mask leaves.
 """
 
 from __future__ import annotations
@@ -21,6 +40,7 @@ import json
 import resource
 import statistics
 import time
+from collections import OrderedDict
 from contextlib import nullcontext
 
 import torch
@@ -31,7 +51,14 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from ringray.accelerators import peak_flops_of
 from ringray.attention import Layout, RingStats, make_layout
 from ringray.attention.comm import RingComm, ring_transfer_seconds
-from ringray.data import ByteTokenizer, HFTokenizer, PackedLoader, Tokenizer, make_source
+from ringray.data import (
+    IGNORE_LABEL,
+    ByteTokenizer,
+    HFTokenizer,
+    PackedLoader,
+    Tokenizer,
+    make_source,
+)
 from ringray.model import RingContext, Transformer, load_hf_weights
 from ringray.train.checkpoint import CheckpointError, CheckpointRef, CheckpointStore
 from ringray.train.mesh import Mesh, build_mesh, resolve_mesh_shape
@@ -73,6 +100,11 @@ def device_peak_flops(device: torch.device) -> float | None:
     return 2 * size**3 * reps / best
 
 
+DOCUMENT_RINGS_CACHED = 64
+"""Per-row ring contexts (layout, documents, RoPE positions) kept for reuse by rows with the
+same document lengths (one document filling the row is the common repeat)."""
+
+
 def _peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
@@ -92,14 +124,16 @@ class Trainer:
         self.device = device or default_device()
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         shape = resolve_mesh_shape(world_size=world, dp=options.parallel.dp,
-                                   cp=options.parallel.cp)
+                                   cp=options.parallel.cp, ulysses=options.parallel.ulysses)
         self.layout = self._checked_layout(options, shape.dp, shape.cp)
         self.mesh: Mesh = build_mesh(shape)
         self.ring_stats = RingStats()
         self.ring = RingContext(
-            layout=self.layout, rank=self.mesh.cp_rank, group=self.mesh.cp_group,
+            layout=self.layout, rank=self.mesh.cp_rank, group=self.mesh.ring_group,
+            ulysses_group=self.mesh.ulysses_group,
             backend=options.parallel.attention_backend, stats=self.ring_stats,
         )
+        self._document_rings: OrderedDict[tuple[int, ...], RingContext] = OrderedDict()
         self.tokenizer: Tokenizer = (HFTokenizer.from_pretrained(options.pretrained)
                                      if options.pretrained else ByteTokenizer())
         if options.model.vocab_size < self.tokenizer.vocab_size:
@@ -146,7 +180,8 @@ class Trainer:
                 f"over dp={dp} replicas (use a multiple of {dp})"
             )
         try:
-            return make_layout(options.parallel.layout, cp, train.seq_len)
+            return make_layout(options.layout_kind, cp, train.seq_len,
+                               ulysses=options.parallel.ulysses)
         except ValueError as exc:
             raise ValueError(f"train.seq_len: {str(exc).removeprefix('layout: ')}") from None
 
@@ -206,14 +241,19 @@ class Trainer:
 
     def _measure_transfer_rate(self) -> float:
         """Seconds per byte of this ring's exchanges with nothing else running (median of
-        three), the baseline for the overlap ratio. Collective over the CP group."""
+        three), the baseline for the overlap ratio. Collective over the ring group. With
+        Ulysses the ring's K block is its member's chunk (``layout.ring.local_len`` tokens)
+        for this rank's share of the kv heads (repeated first when ulysses > kv heads)."""
         cfg = self.options.model
         dtype = self.compute_dtype or torch.float32
+        rows = 1 if self.options.data.documents else (  # documents: one row per ring pass
+            self.options.train.global_batch // self.mesh.shape.dp)
+        ulysses = self.mesh.shape.ulysses
         k_block = torch.zeros(
-            self.options.train.global_batch // self.mesh.shape.dp, self.layout.local_len,
-            cfg.n_kv_heads, cfg.head_dim, dtype=dtype, device=self.device,
+            rows, self.layout.ring.local_len,
+            max(cfg.n_kv_heads // ulysses, 1), cfg.head_dim, dtype=dtype, device=self.device,
         )
-        comm = RingComm(self.mesh.cp_group)
+        comm = RingComm(self.mesh.ring_group)
         rates = []
         for _ in range(3):
             seconds, nbytes = ring_transfer_seconds(comm, k_block)
@@ -228,6 +268,63 @@ class Trainer:
             self.layout.shard(inputs, rank).to(self.device),
             self.layout.shard(labels, rank).to(self.device),
         )
+
+    def _document_ring(self, documents: tuple[int, ...]) -> RingContext:
+        """The ring context of a row packed from ``documents``: its own layout (``balanced``
+        is built for them), the documents, and RoPE positions on the device (restarting in
+        each document with ``data.document_positions``), from an LRU keyed by the lengths."""
+        ring = self._document_rings.get(documents)
+        if ring is not None:
+            self._document_rings.move_to_end(documents)
+            return ring
+        layout = make_layout(self.options.layout_kind, self.mesh.shape.cp,
+                             self.options.train.seq_len, documents=documents,
+                             ulysses=self.mesh.shape.ulysses)
+        ring = RingContext.for_documents(
+            documents, layout=layout, rank=self.mesh.cp_rank,
+            restart_positions=self.options.data.document_positions, device=self.device,
+            group=self.mesh.ring_group, ulysses_group=self.mesh.ulysses_group,
+            backend=self.options.parallel.attention_backend, stats=self.ring_stats,
+        )
+        self._document_rings[documents] = ring
+        if len(self._document_rings) > DOCUMENT_RINGS_CACHED:
+            self._document_rings.popitem(last=False)
+        return ring
+
+    def _batch_backward(self, global_tokens: int) -> torch.Tensor:
+        """Forward and backward of this rank's share of the next batch, every row at once;
+        returns its loss sum (the loss is the mean over all ``global_tokens``)."""
+        inputs, labels = self._local_batch()
+        with self._autocast():
+            logits = self.model(inputs, self.ring)
+        loss_sum = F.cross_entropy(
+            logits.float().flatten(0, 1), labels.flatten(), reduction="sum"
+        )
+        (loss_sum / global_tokens).backward()  # with FSDP, its reduce-scatter sums here
+        return loss_sum.detach()
+
+    def _documents_backward(self) -> tuple[torch.Tensor, int]:
+        """Forward and backward of this rank's share of the next packed batch, one row at a
+        time (each row's documents need their own ring context), accumulating gradients;
+        returns its loss sum and the global batch's counted labels (the loss's divisor)."""
+        batch = self.loader.next_packed()
+        rank, rows = self.mesh.cp_rank, len(batch.documents)
+        loss_sum = torch.zeros((), device=self.device)
+        for row, documents in enumerate(batch.documents):
+            ring = self._document_ring(documents)
+            if self.sharded:  # reduce-scatter once, in the last row's backward
+                self.model.set_requires_gradient_sync(row == rows - 1)
+            inputs = ring.layout.shard(batch.inputs[row : row + 1], rank).to(self.device)
+            labels = ring.layout.shard(batch.labels[row : row + 1], rank).to(self.device)
+            with self._autocast():
+                logits = self.model(inputs, ring)
+            row_sum = F.cross_entropy(
+                logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_LABEL,
+                reduction="sum",
+            )
+            (row_sum / batch.counted_labels).backward()
+            loss_sum += row_sum.detach()
+        return loss_sum, batch.counted_labels
 
     def _gather_reports(self, report: list[float]) -> list[list[float]]:
         local = torch.tensor(report, dtype=torch.float64, device=self.device)
@@ -252,16 +349,13 @@ class Trainer:
             group["lr"] = lr
         self.model.train()
         self.ring_stats.clear()
-        inputs, labels = self._local_batch()
         global_tokens = train.global_batch * train.seq_len
 
         self.optimizer.zero_grad(set_to_none=True)
-        with self._autocast():
-            logits = self.model(inputs, self.ring)
-        loss_sum = F.cross_entropy(
-            logits.float().flatten(0, 1), labels.flatten(), reduction="sum"
-        )
-        (loss_sum / global_tokens).backward()  # with FSDP, its reduce-scatter sums here
+        if self.options.data.documents:
+            loss_sum, counted_labels = self._documents_backward()
+        else:
+            loss_sum, counted_labels = self._batch_backward(global_tokens), None
         if not self.sharded:
             all_reduce_gradients(self.model)
         clip = opt.grad_clip if opt.grad_clip > 0 else float("inf")
@@ -275,6 +369,7 @@ class Trainer:
             "attention_compute_seconds": totals.compute_seconds,
             "exposed_comm_seconds": totals.exposed_comm_seconds,
             "ring_bytes_sent": float(totals.bytes_sent),
+            "a2a_seconds": totals.a2a_seconds,
             "transfer_seconds_per_byte": self._transfer_seconds_per_byte,
             "peak_memory_bytes": float(_peak_memory_bytes(self.device)),
         }
@@ -283,7 +378,7 @@ class Trainer:
             reports, shape=self.mesh.shape, step=self.step_count, grad_norm=grad_norm.item(),
             learning_rate=lr, step_seconds=time.perf_counter() - start, tokens=global_tokens,
             flops_per_token=self.flops_per_token,
-            peak_flops_per_device=self.peak_flops_per_device,
+            peak_flops_per_device=self.peak_flops_per_device, counted_labels=counted_labels,
         )
 
     # ----------------------------------------------------------------- evaluation
@@ -293,9 +388,11 @@ class Trainer:
         every rank of this CP group passes identically (collective over the CP group)."""
         self.model.eval()
         seq_len, cp = tokens.shape[1], self.mesh.shape.cp
-        layout = make_layout(self.options.parallel.layout, cp, seq_len)
+        layout = make_layout(self.options.eval_layout_kind, cp, seq_len,
+                             ulysses=self.mesh.shape.ulysses)
         ring = RingContext(
-            layout=layout, rank=self.mesh.cp_rank, group=self.mesh.cp_group,
+            layout=layout, rank=self.mesh.cp_rank, group=self.mesh.ring_group,
+            ulysses_group=self.mesh.ulysses_group,
             backend=self.options.parallel.attention_backend,
         )
         with self._autocast():
