@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from ringray.attention.backends import BlockAttentionBackend, BlockPairKey, FusedStepBackend
-from ringray.attention.backends.common import accumulation_dtype, softmax_delta
+from ringray.attention.backends.common import accumulation_dtype, softmax_delta, upload
 from ringray.attention.comm import PendingExchange, RingComm
 from ringray.attention.documents import Documents
 from ringray.attention.layouts import Layout
@@ -162,10 +162,10 @@ def _device_tokens(
     memoised by ``make_layout``) and documents hashable, so a training step's layers and
     recomputations reuse one copy instead of moving them host to device per call."""
     ranks = range(layout.world_size)
-    positions = tuple(layout.positions(r).to(device=device, dtype=torch.int32) for r in ranks)
+    positions = tuple(upload(layout.positions(r), device, torch.int32) for r in ranks)
     if documents is None:
         return positions, (None,) * layout.world_size
-    doc_ids = tuple(documents.ids[layout.positions(r)].to(device=device, dtype=torch.int32)
+    doc_ids = tuple(upload(documents.ids[layout.positions(r)], device, torch.int32)
                     for r in ranks)
     return positions, doc_ids
 

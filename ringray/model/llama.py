@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Literal, get_args
 
 import torch
@@ -41,6 +42,7 @@ from ringray.attention import (
     make_layout,
     ring_attention,
 )
+from ringray.attention.backends.common import upload
 from ringray.model.config import ModelConfig
 from ringray.model.rope import apply_rotary, compute_dtype, rotary_tables
 
@@ -87,7 +89,7 @@ class RingContext:
             starts = torch.tensor(docs.bounds[:-1])[docs.ids]  # each position's document start
             rope_positions = positions - starts[positions]
             if device is not None:
-                rope_positions = rope_positions.to(device)
+                rope_positions = upload(rope_positions, device)
         return cls(layout=layout, rank=rank, documents=docs, rope_positions=rope_positions,
                    **fields)
 
@@ -95,7 +97,14 @@ class RingContext:
         """The RoPE positions of this rank's tokens, in local order."""
         if self.rope_positions is not None:
             return self.rope_positions.to(device)
-        return self.layout.positions(self.rank).to(device)
+        return _device_positions(self.layout, self.rank, torch.device(device))
+
+
+@lru_cache(maxsize=16)
+def _device_positions(layout: Layout, rank: int, device: torch.device) -> torch.Tensor:
+    """A rank's global positions on ``device``, moved once per (layout, rank, device): every
+    layer, step and recomputation reuses them (layouts are immutable and memoised)."""
+    return upload(layout.positions(rank), device)
 
 
 class RMSNorm(nn.Module):

@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from ringray.accelerators import peak_flops_of
 from ringray.attention import Layout, RingStats, make_layout
+from ringray.attention.backends.common import upload
 from ringray.attention.comm import RingComm, ring_transfer_seconds
 from ringray.data import (
     IGNORE_LABEL,
@@ -264,9 +265,9 @@ class Trainer:
     def _local_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         inputs, labels = self.loader.next_batch()  # global order, this DP replica's rows
         rank = self.mesh.cp_rank
-        return (
-            self.layout.shard(inputs, rank).to(self.device),
-            self.layout.shard(labels, rank).to(self.device),
+        return (  # pinned, non-blocking on CUDA: the upload does not wait for the stream
+            upload(self.layout.shard(inputs, rank), self.device),
+            upload(self.layout.shard(labels, rank), self.device),
         )
 
     def _document_ring(self, documents: tuple[int, ...]) -> RingContext:
@@ -314,8 +315,8 @@ class Trainer:
             ring = self._document_ring(documents)
             if self.sharded:  # reduce-scatter once, in the last row's backward
                 self.model.set_requires_gradient_sync(row == rows - 1)
-            inputs = ring.layout.shard(batch.inputs[row : row + 1], rank).to(self.device)
-            labels = ring.layout.shard(batch.labels[row : row + 1], rank).to(self.device)
+            inputs = upload(ring.layout.shard(batch.inputs[row : row + 1], rank), self.device)
+            labels = upload(ring.layout.shard(batch.labels[row : row + 1], rank), self.device)
             with self._autocast():
                 logits = self.model(inputs, ring)
             row_sum = F.cross_entropy(

@@ -12,6 +12,18 @@ if TYPE_CHECKING:
     from ringray.attention.layouts import Layout
 
 
+def upload(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None
+           ) -> torch.Tensor:
+    """``tensor`` (on the host) moved to ``device``, without a stream synchronisation: on CUDA
+    through pinned memory with ``non_blocking`` (a pageable copy waits for the stream), which
+    the caching host allocator keeps alive until the copy is done."""
+    if dtype is not None:
+        tensor = tensor.to(dtype)
+    if torch.device(device).type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def expand_kv_heads(x: torch.Tensor, q_heads: int) -> torch.Tensor:
     """Repeat kv heads so each query head has its own copy (GQA/MQA for kernels that lack it)."""
     groups = q_heads // x.shape[1]
