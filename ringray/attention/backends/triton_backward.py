@@ -45,11 +45,10 @@ from ringray.attention.backends.triton_common import (
     load_tokens,
     mma,
     padded_head_dim,
-    positions_int32,
     visible,
 )
 from ringray.attention.backends.triton_config import TileConfig, kernel_configs
-from ringray.attention.backends.triton_tiles import tile_lists
+from ringray.attention.backends.triton_tiles import step_tokens
 
 
 @triton.jit
@@ -216,27 +215,18 @@ def backward_launch(
     batch, q_heads, sq, head_dim = q.shape
     kv_heads, sk = k.shape[1], k.shape[2]
     cfg = config or kernel_configs(head_dim, q.dtype, q.device).backward
-    docs = q_doc is not None
-    masking = causal or docs
-    q_pos, k_pos = positions_int32(q_pos, q.device), positions_int32(k_pos, q.device)
-    q_doc = positions_int32(q_doc, q.device) if docs else q_pos  # never read without docs
-    k_doc = positions_int32(k_doc, q.device) if docs else k_pos
-    counts = indices = q_pos  # never read without a mask: no lists to build
-    width = 0
-    if masking:
-        lists = tile_lists(q_pos, k_pos, q_doc if docs else None, k_doc if docs else None,
-                           causal=causal, block_m=cfg.block_m, block_n=cfg.block_n,
-                           by_key=True, key=key)
-        counts, indices, width = lists.counts, lists.indices, lists.width
-    counter = visits if visits is not None else q_pos  # never written unless counting
+    t = step_tokens(q_pos, k_pos, q_doc, k_doc, q.device, causal=causal, block_m=cfg.block_m,
+                    block_n=cfg.block_n, by_key=True, key=key)
+    counter = visits if visits is not None else t.q_pos  # never written unless counting
     upcast, precision = dot_mode(q.dtype, q.device)
     return KernelLaunch(
         grid=(triton.cdiv(sk, cfg.block_n), batch * kv_heads),
-        args=(q, k, v, dout, lse, delta, dq, dk, dv, q_pos, k_pos, q_doc, k_doc, counts,
-              indices, counter, *q.stride(), *k.stride(), *v.stride(), *dout.stride(),
-              *lse.stride(), *delta.stride(), *dq.stride(), *dk.stride(), *dv.stride(),
-              kv_heads, q_heads // kv_heads, sq, sk, width, scale, scale * LOG2E),
-        kwargs={"CAUSAL": causal, "DOCS": docs, "MASKING": masking,
+        args=(q, k, v, dout, lse, delta, dq, dk, dv, t.q_pos, t.k_pos, t.q_doc, t.k_doc,
+              t.counts, t.indices, counter, *q.stride(), *k.stride(), *v.stride(),
+              *dout.stride(), *lse.stride(), *delta.stride(), *dq.stride(), *dk.stride(),
+              *dv.stride(), kv_heads, q_heads // kv_heads, sq, sk, t.width, scale,
+              scale * LOG2E),
+        kwargs={"CAUSAL": causal, "DOCS": t.docs, "MASKING": t.masking,
                 "COUNT": visits is not None, "UPCAST": upcast, "PRECISION": precision,
                 "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
                 "BLOCK_D": padded_head_dim(head_dim), "HEAD_DIM": head_dim,

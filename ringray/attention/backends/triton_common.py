@@ -84,12 +84,6 @@ def padded_head_dim(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def positions_int32(positions: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Global positions (or document indices) as the contiguous int32 device tensor the
-    kernels read; no copy when they already are (what the ring passes)."""
-    return positions.to(device=device, dtype=torch.int32).contiguous()
-
-
 @dataclass(frozen=True)
 class KernelLaunch:
     """A kernel launch without the kernel: ``kernel[grid](*args, **kwargs)``. ``kwargs``

@@ -145,3 +145,47 @@ def tile_lists(
     if key is None:
         return build()
     return cache.get((key, causal, block_m, block_n, by_key, q_pos.device), build)
+
+
+@dataclass(frozen=True)
+class StepTokens:
+    """What a kernel launch reads about one block pair's tokens: int32 device positions and
+    document ids (the positions stand in when there are no documents: never read then),
+    and the tile lists with their width (the positions stand in, width 0, when nothing is
+    masked: no lists are built or read). ``docs`` and ``masking`` are the kernels' flags."""
+
+    q_pos: torch.Tensor
+    k_pos: torch.Tensor
+    q_doc: torch.Tensor
+    k_doc: torch.Tensor
+    counts: torch.Tensor
+    indices: torch.Tensor
+    width: int
+    docs: bool
+    masking: bool
+
+
+def step_tokens(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | None,
+    k_doc: torch.Tensor | None, device: torch.device, *, causal: bool, block_m: int,
+    block_n: int, by_key: bool, key: BlockPairKey | None,
+) -> StepTokens:
+    """The forward's (``by_key=False``) or the backward's (``by_key=True``) view of a block
+    pair's tokens, for tiles of ``block_m`` queries × ``block_n`` keys."""
+    docs = q_doc is not None
+    masking = causal or docs
+    q_pos, k_pos = _int32(q_pos, device), _int32(k_pos, device)
+    q_doc = _int32(q_doc, device) if docs else q_pos
+    k_doc = _int32(k_doc, device) if docs else k_pos
+    if not masking:
+        return StepTokens(q_pos, k_pos, q_doc, k_doc, q_pos, q_pos, 0, docs, masking)
+    lists = tile_lists(q_pos, k_pos, q_doc if docs else None, k_doc if docs else None,
+                       causal=causal, block_m=block_m, block_n=block_n, by_key=by_key, key=key)
+    return StepTokens(q_pos, k_pos, q_doc, k_doc, lists.counts, lists.indices, lists.width,
+                      docs, masking)
+
+
+def _int32(positions: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Global positions (or document indices) as the contiguous int32 device tensor the
+    kernels read; no copy when they already are (what the ring passes)."""
+    return positions.to(device=device, dtype=torch.int32).contiguous()
