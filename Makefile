@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ringray-installed
 
-.PHONY: setup run test lint bench clean prometheus gpu-check
+.PHONY: setup run test lint bench clean prometheus gpu-check extend-demo
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -18,6 +18,12 @@ setup: $(STAMP)
 ## (about 2 minutes). It resumes from its last checkpoint; `rm -rf runs/quickstart` starts over.
 run: $(STAMP)
 	$(VENV)/bin/ringray train jobs/quickstart.yaml
+
+## The context-extension demonstration (README, "Extending a pretrained model's context"):
+## train at 512 tokens, export, score before, extend to 8192 over a ring of 2, score after,
+## plot (runs/extend-2-long/report/passkey.png). Starts over each time; about 20 minutes.
+extend-demo: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) examples/context_extension.py --fresh
 
 ## The measured figures of benchmarks/RESULTS.md (several minutes).
 bench: $(STAMP)

@@ -6,9 +6,16 @@
 Reads the run directory's ``steps.jsonl`` (one :class:`ringray.train.step_stats.StepStats` per
 line) and writes one plot per question (loss, tokens/s, overlap, load imbalance against the
 step) and an overview with all four. Overlap and imbalance show the job's worst ring and,
-when the job has several rings, each ring. Where ``events.jsonl`` says the workers were
+when the job has several rings, each ring; beside the overlap, on its own axis in seconds,
+the longest wait of any rank for a late ring peer (``peer_wait_seconds_max``), which the
+overlap leaves out. Where ``events.jsonl`` says the workers were
 started at a step after 0 (a recovery or a resumed run restoring a checkpoint), a dashed line
 marks that step.
+
+Where the run directory holds passkey evaluations (``passkey.json``, written by the job after
+training, and any ``passkey-<label>.json`` written beside it, e.g. the "before" evaluations of
+``examples/context_extension.py``), ``passkey.png`` shows exact-match retrieval per needle depth,
+one panel per context length and one line per evaluation, so before and after read side by side.
 
 Plots are drawn on :class:`matplotlib.figure.Figure` objects with the Agg renderer, without
 pyplot and its process-wide state, so this works on machines without a display.
@@ -40,7 +47,8 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> list
 
     Returns:
         The written files: ``loss.png``, ``tokens_per_second.png``, ``overlap.png``,
-        ``load_imbalance.png`` and ``overview.png``.
+        ``load_imbalance.png`` and ``overview.png``, then ``passkey.png`` when the run
+        directory holds passkey evaluations (:func:`read_passkey_reports`).
 
     Raises:
         ReportError: the run directory or its ``steps.jsonl`` is missing, empty or malformed.
@@ -64,6 +72,9 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> list
         plot(ax, steps, restarts)
     fig.suptitle(title, fontweight="bold")
     paths.append(_save(fig, out / "overview.png"))
+    passkey = read_passkey_reports(run_dir)
+    if passkey:
+        paths.append(_save(_passkey_figure(passkey, title), out / "passkey.png"))
     return paths
 
 
@@ -114,6 +125,66 @@ def read_restart_steps(path: Path) -> list[int]:
     return found
 
 
+PASSKEY_AFTER_LABEL = "after training (this run)"
+"""Legend label of the run's own ``passkey.json`` (its evaluation after training)."""
+
+
+def read_passkey_reports(run_dir: Path) -> list[tuple[str, dict]]:
+    """``(label, report)`` of each passkey evaluation in ``run_dir``: the
+    ``passkey-<label>.json`` files by name, then the job's own ``passkey.json``. A report is
+    :meth:`ringray.data.PasskeyReport.to_dict`'s JSON; its optional ``"label"`` names it
+    (default: ``<label>`` from the file name, or :data:`PASSKEY_AFTER_LABEL`).
+
+    Raises:
+        ReportError: a file is not JSON or has no per-cell accuracies.
+    """
+    files = sorted(run_dir.glob("passkey-*.json"))
+    if (run_dir / "passkey.json").is_file():
+        files.append(run_dir / "passkey.json")
+    reports = []
+    for path in files:
+        try:
+            report = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ReportError(f"{path}: not JSON ({exc.msg})") from None
+        cells = report.get("cells") if isinstance(report, dict) else None
+        if not isinstance(cells, list) or not all(
+            isinstance(c, dict) and {"length", "depth", "accuracy"} <= c.keys() for c in cells
+        ):
+            raise ReportError(f"{path}: not a passkey report (no cells with length, depth and "
+                              f"accuracy)")
+        default = (PASSKEY_AFTER_LABEL if path.name == "passkey.json"
+                   else path.stem.removeprefix("passkey-"))
+        reports.append((str(report.get("label") or default), report))
+    return reports
+
+
+def _passkey_figure(reports: list[tuple[str, dict]], title: str) -> Figure:
+    """Exact match against needle depth: a panel per context length, a line per report."""
+    lengths = sorted({c["length"] for _, report in reports for c in report["cells"]})
+    fig = Figure(figsize=(max(6.0, 5.0 * len(lengths)), 4.5), layout="constrained")
+    axes = fig.subplots(1, len(lengths), squeeze=False)[0]
+    for ax, length in zip(axes, lengths, strict=True):
+        for i, (label, report) in enumerate(reports):
+            cells = sorted((c["depth"], c["accuracy"]) for c in report["cells"]
+                           if c["length"] == length)
+            if cells:
+                ax.plot([d for d, _ in cells], [a for _, a in cells], label=label,
+                        color=f"C{i}", marker="o", linewidth=1.6)
+        chance = reports[-1][1].get("chance", {}).get("accuracy")
+        if isinstance(chance, int | float):
+            ax.axhline(chance, color="grey", linewidth=0.8, linestyle=":", label="chance")
+        ax.set_ylim(-0.03, 1.03)
+        ax.set_xlim(-0.03, 1.03)
+        ax.set_title(f"passkey retrieval at {length} tokens")
+        ax.set_xlabel("needle depth (0: start of the context, 1: end)")
+        ax.set_ylabel("exact match")
+        ax.grid(True, alpha=0.3)
+        ax.legend(loc="best", fontsize="small")
+    fig.suptitle(title, fontweight="bold")
+    return fig
+
+
 # ---------------------------------------------------------------- the plots
 def _plot_loss(ax: Axes, steps: list[dict], restarts: list[int]) -> None:
     _line(ax, steps, "loss", label="loss")
@@ -130,8 +201,24 @@ def _plot_overlap(ax: Axes, steps: list[dict], restarts: list[int]) -> None:
     _per_ring(ax, steps, "overlap_ratio_per_ring")
     _line(ax, steps, "overlap_ratio", label="job (worst rank)")
     ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
-    _decorate(ax, "ring overlap: share of communication hidden behind compute",
+    _decorate(ax, "ring overlap: share of transfers hidden behind compute; peer wait",
               "overlap ratio (1: all hidden)", restarts)
+    _plot_peer_wait(ax, steps)
+
+
+def _plot_peer_wait(ax: Axes, steps: list[dict]) -> None:
+    """The longest wait for a late peer per step, on a second axis (seconds) over the
+    overlap's, in one legend with it. Runs written before the figure existed have none."""
+    if not any("peer_wait_seconds_max" in s for s in steps):
+        return
+    wait = ax.twinx()
+    wait.plot([s["step"] for s in steps], [_number(s.get("peer_wait_seconds_max")) for s in steps],
+              label="peer wait, longest rank (s)", color="C3", linewidth=1.2, linestyle="--")
+    wait.set_ylim(bottom=0)
+    wait.set_ylabel("waiting for a late peer (s)")
+    handles, labels = ax.get_legend_handles_labels()
+    more, more_labels = wait.get_legend_handles_labels()
+    ax.legend(handles + more, labels + more_labels, loc="best", fontsize="small")
 
 
 def _plot_imbalance(ax: Axes, steps: list[dict], restarts: list[int]) -> None:

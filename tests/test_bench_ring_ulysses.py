@@ -29,6 +29,11 @@ def test_bench_ring_with_ulysses_reports_the_all_to_alls():
         # and backward, 64 positions each, float32, head_dim 16; half of each buffer leaves.
         assert row["a2a_bytes_sent_per_rank"] == 2 * (8 + 4) * 64 * 16 * 4 // 2
         assert row["work_efficiency"] > 0 and row["imbalance_measured"] >= 1
+        # The ring's exposed time splits; the overlap leaves the peer wait out.
+        assert 0.0 <= row["overlap_ratio"] <= 1.0
+        assert len(row["peer_wait_seconds"]) == 4 and min(row["peer_wait_seconds"]) >= 0
+        assert all(0.0 <= n <= t for n, t in zip(row["transfer_exposed_seconds"],
+                                                  row["transfer_seconds"], strict=True))
     # The theory is the ring's over 2 members: contiguous's second half sees 129..256 keys
     # per query (24640 pairs) against a mean of 256 * 257 / 4 = 16448.
     assert rows["zigzag"]["imbalance_theoretical"] == 1.0
@@ -41,6 +46,8 @@ def test_bench_ring_with_ulysses_prints_tables():
     assert result.exit_code == 0, result.output
     assert "layout: striped (ring 1 x ulysses 2)" in result.output
     assert "a2a s" in result.output and "ring exp. s" in result.output
+    assert "ring peer wait s" in result.output and "peer wait s" in result.output
+    assert "SDPA s" in result.output  # the summary's last column, not cut short
 
 
 @pytest.mark.parametrize(("flags", "message"), [

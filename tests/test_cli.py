@@ -11,6 +11,7 @@ from ringray.cli import app
 KEYS = {
     "layout", "compute_seconds_max", "compute_seconds_mean", "exposed_comm_seconds_max",
     "overlap_ratio", "imbalance_measured", "imbalance_theoretical", "work_efficiency",
+    "transfer_exposed_seconds", "peer_wait_seconds", "peer_wait_seconds_max",
 }
 
 
@@ -25,6 +26,15 @@ def test_bench_ring_json_has_one_object_per_layout():
     for row in rows:
         assert KEYS <= row.keys()
         assert row["work_efficiency"] > 0 and row["compute_seconds_max"] > 0
+        # The exposed time splits into transfer not hidden and peer wait; overlap in [0, 1].
+        assert 0.0 <= row["overlap_ratio"] <= 1.0
+        for exposed, not_hidden, wait, alone in zip(
+            row["exposed_comm_seconds"], row["transfer_exposed_seconds"],
+            row["peer_wait_seconds"], row["transfer_seconds"], strict=True,
+        ):
+            assert 0.0 <= not_hidden <= alone and wait >= 0.0
+            assert abs(exposed - (not_hidden + wait)) <= 1e-9 * max(1.0, exposed)
+        assert row["peer_wait_seconds_max"] == max(row["peer_wait_seconds"])
     zigzag, contiguous = rows
     assert zigzag["imbalance_theoretical"] == 1.0
     # Rank 1's 256 tokens see 257..512 keys each, rank 0's see 1..256: 98432 vs 32896 pairs.
@@ -41,12 +51,14 @@ def test_bench_ring_rejects_bad_flags_with_one_line():
 
 
 def test_train_explains_a_low_overlap_when_ranks_outnumber_cores() -> None:
-    """The quickstart's 4 ranks on a 2-core machine: `ringray train` says why overlap reads
-    low and which cp gives each rank a core; with a core per rank it says nothing."""
+    """The quickstart's 4 ranks on a 2-core machine: `ringray train` says why ranks wait for
+    their peers (peer wait, apart from the overlap) and which cp gives each rank a core; with
+    a core per rank it says nothing."""
     from ringray.cli.train import oversubscription_note
 
     note = oversubscription_note(world=4, cores=2, cp=4)
     assert note is not None
     assert "4 ranks share 2 CPU core(s)" in note and "--set parallel.cp=2" in note
+    assert "peer_wait_seconds" in note
     assert oversubscription_note(world=4, cores=8, cp=4) is None
     assert "--set parallel.cp=1" in oversubscription_note(world=4, cores=2, cp=2)  # dp=2

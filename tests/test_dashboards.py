@@ -153,7 +153,8 @@ def test_the_dashboards_answer_the_issue_questions():
     for title in ("Overlap per ring", "Load imbalance per ring",
                   "Exposed communication per rank", "Ring bytes sent per rank",
                   "Slowest rank ÷ median", "Peak memory per rank",
-                  "All-to-all seconds per rank"):
+                  "All-to-all seconds per rank", "Peer wait per rank",
+                  "Exposed wait split per ring"):
         assert title in ring
     heatmap = next(p for p in _load("ringray-ring.json")["panels"]
                    if p["title"] == "Exposed communication per rank")

@@ -34,6 +34,8 @@ def _stats(step: int = 3) -> StepStats:
         overlap_ratio_per_ring=[0.9, 0.8], load_imbalance_per_ring=[1.05, 1.1],
         ring_bytes_sent=[1000, 1000, 2000, 2000], peak_memory_bytes_per_rank=[1, 2, 3, 4000],
         a2a_seconds=[0.0, 0.0, 0.003, 0.004],
+        transfer_exposed_seconds=[0.01, 0, 0, 0.005], peer_wait_seconds=[0, 0, 0, 0.015],
+        peer_wait_seconds_max=0.015, ring_transfer_seconds=[0.05, 0.05, 0.05, 0.05],
     )
 
 
@@ -89,6 +91,11 @@ def test_a_step_sets_its_values_on_the_right_labels() -> None:
                  node="bbbbbbbb") == 0.09
     assert value("ringray_exposed_comm_seconds", ring="0", rank="1", node="aaaaaaaa") == 0
     assert value("ringray_a2a_seconds", ring="1", rank="2", node="bbbbbbbb") == 0.003
+    # Rank 3's exposed 0.02 s: 0.005 s of transfer not hidden, 0.015 s waiting for a peer.
+    assert value("ringray_transfer_exposed_seconds", ring="1", rank="3",
+                 node="bbbbbbbb") == 0.005
+    assert value("ringray_peer_wait_seconds", ring="1", rank="3", node="bbbbbbbb") == 0.015
+    assert value("ringray_peer_wait_seconds", ring="0", rank="0", node="aaaaaaaa") == 0
     assert value("ringray_ring_sent_bytes_total", ring="1", rank="3", node="bbbbbbbb") == 4000
     assert value("ringray_peak_memory_bytes", ring="1", rank="3", node="bbbbbbbb") == 4000
     assert value("ringray_ring_overlap_ratio", ring="0") == 0.9

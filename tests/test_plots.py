@@ -30,6 +30,7 @@ def _stats(step: int, *, rings: int = 2) -> StepStats:
         overlap_ratio_per_ring=[0.8 - 0.01 * step, 0.9][:rings],
         load_imbalance_per_ring=[1.01, 1.02 + 0.001 * step][:rings],
         ring_bytes_sent=[2**20] * 4, peak_memory_bytes_per_rank=[2**30] * 4,
+        peer_wait_seconds=[0.0, 0.001 * step, 0.0, 0.0], peer_wait_seconds_max=0.001 * step,
     )
 
 
@@ -130,3 +131,26 @@ def test_cli_errors_are_one_line(tmp_path):
     (tmp_path / "run" / "steps.jsonl").write_text("")
     result = CliRunner().invoke(app, ["report", str(tmp_path / "run")])
     assert result.exit_code == 2 and "no steps recorded" in " ".join(result.output.split())
+
+
+def test_peer_wait_is_plotted_beside_the_overlap_on_its_own_axis():
+    """The overlap plot carries the longest peer wait per step on a second axis, in seconds,
+    with the step records' values; a run written before the figure existed has no such axis."""
+    from matplotlib.figure import Figure
+
+    from ringray.plots import PLOTS
+
+    records = [_stats(step).to_dict() for step in range(1, 6)]
+    fig = Figure()
+    PLOTS["overlap"](fig.subplots(), records, [])
+    overlap_ax, wait_ax = fig.axes
+    (line,) = wait_ax.get_lines()
+    assert list(line.get_ydata()) == pytest.approx([0.001 * s for s in range(1, 6)])
+    assert wait_ax.get_ylabel() == "waiting for a late peer (s)"
+    legend = [t.get_text() for t in overlap_ax.get_legend().get_texts()]
+    assert "peer wait, longest rank (s)" in legend and "job (worst rank)" in legend
+    for record in records:
+        del record["peer_wait_seconds_max"]
+    old = Figure()
+    PLOTS["overlap"](old.subplots(), records, [])
+    assert len(old.axes) == 1

@@ -31,6 +31,8 @@ from ringray.train import (
 )
 
 JOBS_DIR = Path(__file__).resolve().parent.parent / "jobs"
+JOBS_FROM_AN_EXPORT = {"extend-2-long.yaml"}
+"""Jobs whose model.from_pretrained is an earlier job's export, absent until that job runs."""
 
 
 def _fields(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str | None]]:
@@ -268,6 +270,8 @@ def test_job_files_validate() -> None:
     ones are for a cluster's file systems."""
     failures = []
     for path in sorted(JOBS_DIR.glob("*.yaml")):
+        if path.name in JOBS_FROM_AN_EXPORT:
+            continue  # tests/test_context_extension.py validates it against a stand-in export
         try:
             spec = load_job_spec(path, check_paths=False)
             spec.train_options()

@@ -131,14 +131,17 @@ def test_warmup_as_long_as_training() -> None:
 
 def report(
     *, loss_sum: float, compute: float, exposed: float, sent: float, seconds_per_byte: float,
-    peak_memory: float, a2a: float = 0.0,
+    peak_memory: float, a2a: float = 0.0, peer_wait: float = 0.0,
 ) -> list[float]:
+    """One rank's row; ``exposed`` is the transfer not hidden, ``peer_wait`` comes on top."""
     row = {
         "loss_sum": loss_sum,
         "attention_compute_seconds": compute,
-        "exposed_comm_seconds": exposed,
+        "exposed_comm_seconds": exposed + peer_wait,
         "ring_bytes_sent": sent,
-        "transfer_seconds_per_byte": seconds_per_byte,
+        "ring_transfer_seconds": sent * seconds_per_byte,
+        "transfer_exposed_seconds": exposed,
+        "peer_wait_seconds": peer_wait,
         "peak_memory_bytes": peak_memory,
         "a2a_seconds": a2a,
     }
@@ -148,16 +151,17 @@ def report(
 
 # dp = 2 × cp = 2: ranks 0, 1 form CP ring 0 and ranks 2, 3 ring 1.
 #   transfer seconds = bytes × seconds/byte: 1.0, 1.0, 1.0, 0.5
-#   overlap = 1 - exposed / transfer:        0.9, 0.5, 1.0, 0.4 -> worst 0.4 (rank 3)
+#   overlap = 1 - not hidden / transfer:     0.9, 0.5, 1.0, 0.4 -> worst 0.4 (rank 3)
+#   peer wait (not in the overlap):          0,   2.0, 0.5, 0   -> max 2.0 (rank 1)
 #   imbalance per ring, max / mean:          ring 0 (1, 3) -> 1.5, ring 1 (2, 2) -> 1.0
 #   (grouping by column instead, (1, 2) and (3, 2), would give 4/3 and 1.2)
 REPORTS = [
     report(loss_sum=10, compute=1.0, exposed=0.1, sent=1000, seconds_per_byte=1e-3,
            peak_memory=100, a2a=0.25),
     report(loss_sum=20, compute=3.0, exposed=0.5, sent=1000, seconds_per_byte=1e-3,
-           peak_memory=400),
+           peak_memory=400, peer_wait=2.0),
     report(loss_sum=30, compute=2.0, exposed=0.0, sent=2000, seconds_per_byte=5e-4,
-           peak_memory=300),
+           peak_memory=300, peer_wait=0.5),
     report(loss_sum=40, compute=2.0, exposed=0.3, sent=500, seconds_per_byte=1e-3,
            peak_memory=200),
 ]
@@ -184,7 +188,13 @@ def test_summarize_step_hand_arithmetic() -> None:
     assert stats.load_imbalance == pytest.approx(1.5, rel=1e-12)
     assert stats.peak_memory_bytes == 400 and isinstance(stats.peak_memory_bytes, int)
     assert stats.attention_compute_seconds == [1.0, 3.0, 2.0, 2.0]
-    assert stats.exposed_comm_seconds == [0.1, 0.5, 0.0, 0.3]
+    assert stats.exposed_comm_seconds == [0.1, 2.5, 0.5, 0.3]
+    # The exposed wait's two parts, per rank; a late peer does not lower the overlap.
+    assert stats.transfer_exposed_seconds == [0.1, 0.5, 0.0, 0.3]
+    assert stats.peer_wait_seconds == [0.0, 2.0, 0.5, 0.0]
+    assert stats.peer_wait_seconds_max == 2.0
+    assert stats.ring_transfer_seconds == pytest.approx([1.0, 1.0, 1.0, 0.5], rel=1e-12)
+    assert 0.0 <= stats.overlap_ratio <= 1.0
     assert (stats.step, stats.grad_norm, stats.learning_rate, stats.tokens) == (7, 0.75, 1e-3, 50)
     assert stats.to_dict()["mfu"] == stats.mfu
     # Per ring: overlap is the worse rank's (ring 0: min(0.9, 0.5), ring 1: min(1.0, 0.4)).
@@ -196,25 +206,34 @@ def test_summarize_step_hand_arithmetic() -> None:
     assert stats.a2a_seconds == [0.25, 0.0, 0.0, 0.0]
 
 
+def test_the_progress_line_shows_the_overlap_and_the_longest_peer_wait() -> None:
+    from ringray.train.loop import format_step
+
+    line = format_step(summarize_step(REPORTS, **STEP, peak_flops_per_device=1e12), 10)
+    assert "overlap  0.400" in line and "peer wait  2.000s" in line
+
+
 def test_summarize_step_without_peak_has_no_mfu() -> None:
     assert summarize_step(REPORTS, **STEP, peak_flops_per_device=None).mfu is None
 
 
 def test_summarize_step_edge_cases() -> None:
-    """No ring traffic counts as fully hidden; waiting longer than the transfer takes (for a
-    slower rank) gives a negative overlap; idle ranks are balanced; a zero-length step
-    reports 0 tokens/s rather than dividing by zero."""
+    """No ring traffic counts as fully hidden; a rank that waited twice as long as its
+    transfer takes (a slower peer) has its whole transfer unhidden, overlap 0, and the rest as
+    peer wait, never a negative overlap; idle ranks are balanced; a zero-length step reports
+    0 tokens/s rather than dividing by zero."""
     quiet = [
         report(loss_sum=1, compute=0.0, exposed=0.0, sent=0, seconds_per_byte=1e-3,
                peak_memory=1),
-        report(loss_sum=1, compute=0.0, exposed=2.0, sent=1000, seconds_per_byte=1e-3,
-               peak_memory=1),
+        report(loss_sum=1, compute=0.0, exposed=1.0, sent=1000, seconds_per_byte=1e-3,
+               peak_memory=1, peer_wait=1.0),
     ]
     stats = summarize_step(
         quiet, **{**STEP, "shape": MeshShape(dp=1, cp=2), "step_seconds": 0.0, "tokens": 2},
         peak_flops_per_device=1e12,
     )
-    assert stats.overlap_ratio == pytest.approx(-1.0, rel=1e-12)  # rank 1: 1 - 2 / 1
+    assert stats.overlap_ratio == 0.0  # rank 1: 1 - 1 / 1
+    assert stats.exposed_comm_seconds == [0.0, 2.0] and stats.peer_wait_seconds == [0.0, 1.0]
     assert stats.load_imbalance == 1.0
     assert stats.tokens_per_second == 0.0
     assert stats.mfu == 0.0

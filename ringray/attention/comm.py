@@ -12,13 +12,13 @@ host/device copy and no CUDA stream synchronisation.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from ringray.attention.backends.common import accumulation_dtype
+from ringray.attention.stats import interval_timer
 
 _AGREEMENT_GROUPS: dict[tuple[int, ...], tuple[object, dist.ProcessGroup]] = {}
 
@@ -107,10 +107,12 @@ class RingComm:
 
 
 def ring_transfer_seconds(comm: RingComm, k_local: torch.Tensor) -> tuple[float, int]:
-    """Wall seconds and bytes of one ring call's exchanges (forward and backward) with no
-    compute in between, for this rank's K block ``k_local`` ``(batch, local_seq, kv_heads,
+    """Seconds and bytes of one ring call's exchanges (forward and backward) with no compute
+    in between, for this rank's K block ``k_local`` ``(batch, local_seq, kv_heads,
     head_dim)``. Collective over ``comm``'s ring; the baseline an overlap ratio is taken
-    against."""
+    against, so it is timed as exposed ring waits are (:func:`~.stats.interval_timer`): the
+    wall clock on CPU, CUDA events on the current stream around the post and the wait on
+    CUDA (read once, at the end)."""
     world = comm.world_size
     if world == 1:
         return 0.0, 0
@@ -118,7 +120,7 @@ def ring_transfer_seconds(comm: RingComm, k_local: torch.Tensor) -> tuple[float,
     kv_in = torch.empty_like(kv)
     dkv = torch.zeros(kv.shape, dtype=accumulation_dtype(kv.dtype), device=kv.device)
     dkv_in = torch.empty_like(dkv)  # dK/dV travel in float32, as the ring sends them
-    total_seconds, total_bytes = 0.0, 0
+    timers, total_bytes = [], 0
     exchanges = [([kv], [kv_in], False)] * (world - 1)  # forward
     for step in range(world):  # backward: K/V, then K/V with dK/dV, then dK/dV alone
         send, recv = ([kv], [kv_in]) if step < world - 1 else ([], [])
@@ -127,11 +129,11 @@ def ring_transfer_seconds(comm: RingComm, k_local: torch.Tensor) -> tuple[float,
         exchanges.append((send, recv, True))
     dist.barrier(group=comm.group)
     for send, recv, reverse in exchanges:
-        start = time.perf_counter()
+        timer = interval_timer(kv.device)
+        timer.start()
         pending = comm.exchange(send, recv, reverse=reverse)
         pending.wait()
-        if kv.device.type == "cuda":
-            torch.cuda.synchronize(kv.device)
-        total_seconds += time.perf_counter() - start
+        timer.stop()
+        timers.append(timer)
         total_bytes += pending.bytes_sent
-    return total_seconds, total_bytes
+    return sum(timer.seconds() for timer in timers), total_bytes

@@ -10,8 +10,12 @@ In the same run it measures, side by side:
 Reported per layout:
 
 - per-rank attention compute seconds (CPU seconds on CPU) and exposed communication seconds
-  (time blocked waiting for a block after the step's compute);
-- ``overlap_ratio = 1 - exposed / standalone transfer`` for the worst rank;
+  (time blocked waiting for a block after the step's compute), split per step
+  (:func:`~ringray.attention.stats.split_exposed`, against the standalone transfer's rate)
+  into ``transfer_exposed_seconds`` (transfer not hidden, at most the transfer's own time) and
+  ``peer_wait_seconds`` (waiting for a late peer);
+- ``overlap_ratio = 1 - transfer not hidden / standalone transfer`` for the worst rank, in
+  [0, 1]; ``peer_wait_seconds_max``, the rank that waited longest for a peer;
 - ``imbalance_measured`` (max ÷ mean per-rank compute) and ``imbalance_theoretical`` (max ÷
   mean query-key pairs of the layout under the causal mask); ``step_imbalance_theoretical``
   (the sum over ring steps of the slowest rank's pairs ÷ the mean rank's total,
@@ -95,6 +99,8 @@ class RankResult:
     a2a_seconds: float = 0.0  # the Ulysses all-to-alls, forward + backward (all exposed)
     a2a_bytes_sent: int = 0
     a2a_transfer_seconds: float = 0.0  # the same all-to-alls with no compute around them
+    transfer_exposed_seconds: float = 0.0  # exposed_comm_seconds's transfer not hidden
+    peer_wait_seconds: float = 0.0  # and its wait for a late peer
 
 
 @dataclass(frozen=True)
@@ -119,6 +125,9 @@ class LayoutResult:
     a2a_seconds_max: float = 0.0
     a2a_bytes_sent_per_rank: int = 0
     a2a_transfer_seconds: list[float] | None = None  # per rank: the all-to-alls alone
+    transfer_exposed_seconds: list[float] | None = None  # per rank: transfer not hidden
+    peer_wait_seconds: list[float] | None = None  # per rank: waiting for a late peer
+    peer_wait_seconds_max: float = 0.0
 
 
 def _inputs(cfg: RingBenchConfig):
@@ -180,14 +189,17 @@ def _rank_main(rank: int, world: int, cfg: RingBenchConfig) -> dict:
                                  layout=layout, causal=cfg.causal, stats=stats,
                                  documents=documents)
             out.backward(dout_l)
-            totals = stats.totals()
-            transfer, _ = ring_transfer_seconds(ring, k_ring)
+            transfer, transfer_bytes = ring_transfer_seconds(ring, k_ring)
+            totals = stats.totals(transfer_seconds_per_byte=(
+                transfer / transfer_bytes if transfer_bytes else None))
             a2a_alone = (ulysses_transfer_seconds(UlyssesComm(ulysses_group), q_l, k_l, v_l)
                          if cfg.ulysses > 1 else 0.0)
             if i >= cfg.warmup:
                 rows.append(RankResult(totals.compute_seconds, totals.exposed_comm_seconds,
                                        transfer, totals.bytes_sent, totals.a2a_seconds,
-                                       totals.a2a_bytes_sent, a2a_alone))
+                                       totals.a2a_bytes_sent, a2a_alone,
+                                       totals.transfer_exposed_seconds,
+                                       totals.peer_wait_seconds))
         per_layout[name] = RankResult(
             compute_seconds=statistics.median(r.compute_seconds for r in rows),
             exposed_comm_seconds=statistics.median(r.exposed_comm_seconds for r in rows),
@@ -196,6 +208,10 @@ def _rank_main(rank: int, world: int, cfg: RingBenchConfig) -> dict:
             a2a_seconds=statistics.median(r.a2a_seconds for r in rows),
             a2a_bytes_sent=rows[-1].a2a_bytes_sent,
             a2a_transfer_seconds=statistics.median(r.a2a_transfer_seconds for r in rows),
+            # Medians of parts each ≤ its iteration's transfer stay ≤ the transfer's median.
+            transfer_exposed_seconds=statistics.median(r.transfer_exposed_seconds
+                                                       for r in rows),
+            peer_wait_seconds=statistics.median(r.peer_wait_seconds for r in rows),
         )
     return {"single": single, "layouts": {n: asdict(r) for n, r in per_layout.items()}}
 
@@ -210,12 +226,14 @@ def summarize(cfg: RingBenchConfig, per_rank: list[dict]) -> list[LayoutResult]:
         exposed = [r.exposed_comm_seconds for r in ranks]
         transfer = [r.transfer_seconds for r in ranks]
         a2a = [r.a2a_seconds for r in ranks]
+        not_hidden = [r.transfer_exposed_seconds for r in ranks]
+        peer_wait = [r.peer_wait_seconds for r in ranks]
         layout = make_layout(name, cfg.world, cfg.seq, documents=documents,
                              ulysses=cfg.ulysses)
         pairs = block_work(layout.ring, documents, causal=cfg.causal)  # a group's ranks: equal
         work = [sum(row) for row in pairs]
         theoretical = max(work) / statistics.mean(work)
-        overlap = min(overlap_ratio(e, t) for e, t in zip(exposed, transfer, strict=True))
+        overlap = min(overlap_ratio(e, t) for e, t in zip(not_hidden, transfer, strict=True))
         results.append(
             LayoutResult(
                 layout=name,
@@ -238,6 +256,9 @@ def summarize(cfg: RingBenchConfig, per_rank: list[dict]) -> list[LayoutResult]:
                 a2a_seconds_max=max(a2a),
                 a2a_bytes_sent_per_rank=ranks[0].a2a_bytes_sent,
                 a2a_transfer_seconds=[r.a2a_transfer_seconds for r in ranks],
+                transfer_exposed_seconds=not_hidden,
+                peer_wait_seconds=peer_wait,
+                peer_wait_seconds_max=max(peer_wait),
             )
         )
     return results
@@ -262,30 +283,34 @@ def ulysses_tables(results: list[LayoutResult]) -> list[Table]:
     for r in results:
         table = Table(title=f"layout: {r.layout} (ring {r.ring_size} x ulysses {r.ulysses})",
                       title_justify="left")
-        for col in ("rank", "ring, ulysses", "compute s", "ring exposed s", "ring alone s",
-                    "ring overlap", "a2a s", "a2a alone s"):
+        for col in ("rank", "ring, ulysses", "compute s", "ring exposed s", "ring peer wait s",
+                    "ring alone s", "ring overlap", "a2a s", "a2a alone s"):
             table.add_column(col, justify="right")
-        for rank, (c, e, t, a, alone) in enumerate(zip(
-            r.compute_seconds, r.exposed_comm_seconds, r.transfer_seconds, r.a2a_seconds or [],
+        for rank, (c, e, n, w, t, a, alone) in enumerate(zip(
+            r.compute_seconds, r.exposed_comm_seconds, r.transfer_exposed_seconds or [],
+            r.peer_wait_seconds or [], r.transfer_seconds, r.a2a_seconds or [],
             r.a2a_transfer_seconds or [], strict=True,
         )):
             ring_index, ulysses_index = divmod(rank, r.ulysses)
             table.add_row(str(rank), f"{ring_index}, {ulysses_index}", f"{c:.3f}", f"{e:.4f}",
-                          f"{t:.4f}", f"{overlap_ratio(e, t):.3f}", f"{a:.4f}", f"{alone:.4f}")
+                          f"{w:.4f}", f"{t:.4f}", f"{overlap_ratio(n, t):.3f}", f"{a:.4f}",
+                          f"{alone:.4f}")
         tables.append(table)
     summary = Table(title="summary (compute = CPU seconds, forward + backward; a2a = wall "
-                    "seconds of the all-to-alls, all exposed; overlap = the ring's; imbalance "
+                    "seconds of the all-to-alls, all exposed; overlap = the ring's, without "
+                    "its peer wait; imbalance "
                     "= max/mean; work eff. = ranks' compute / 1-process SDPA)",
                     title_justify="left")
     for col in ("layout", "overlap", "imbal.", "imbal. theory", "work eff.", "max s",
-                "ring exp. s", "a2a s", "a2a MiB", "ring MiB", "SDPA s"):
+                "ring exp. s", "peer wait s", "a2a s", "a2a MiB", "ring MiB", "SDPA s"):
         summary.add_column(col, justify="right", no_wrap=True)
     for r in results:
         summary.add_row(
             r.layout, f"{r.overlap_ratio:.3f}", f"{r.imbalance_measured:.3f}",
             f"{r.imbalance_theoretical:.3f}", f"{r.work_efficiency:.3f}",
             f"{r.compute_seconds_max:.3f}", f"{r.exposed_comm_seconds_max:.4f}",
-            f"{r.a2a_seconds_max:.4f}", f"{r.a2a_bytes_sent_per_rank / 2**20:.1f}",
+            f"{r.peer_wait_seconds_max:.4f}", f"{r.a2a_seconds_max:.4f}",
+            f"{r.a2a_bytes_sent_per_rank / 2**20:.1f}",
             f"{r.bytes_sent_per_rank / 2**20:.1f}", f"{r.single_process_seconds:.3f}",
         )
     tables.append(summary)

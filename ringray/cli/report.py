@@ -12,7 +12,10 @@ def report(
     out: str | None = typer.Option(None, "--out", help="Directory for the PNGs; default: "
                                    "RUN/report."),
 ) -> None:
-    """PNG plots of a run's loss, tokens/s, overlap and load imbalance per step.
+    """PNG plots of a run's loss, tokens/s, overlap (beside it, the longest wait for a late
+    ring peer) and load imbalance per step, and of passkey retrieval per depth where the run
+    holds passkey evaluations (passkey.json and any passkey-<label>.json beside it, e.g. before
+    and after a context extension).
 
     Example: ringray report runs/quickstart
     """

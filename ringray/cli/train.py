@@ -183,15 +183,16 @@ def _stopping_message(state: str, *, embedded: bool) -> str:
 
 
 def oversubscription_note(*, world: int, cores: int, cp: int) -> str | None:
-    """Why the overlap figure reads low when ranks outnumber this machine's cores, or
+    """Why ranks wait for their peers when ranks outnumber this machine's cores, or
     ``None`` when each rank has a core of its own."""
     if world <= cores:
         return None
     fits = max(1, cores // max(1, world // cp))
     return (f"note: {world} ranks share {cores} CPU core(s) here, so a rank often waits for a "
-            f"peer that is not scheduled; that wait counts as exposed communication and the "
-            f"overlap figure reads low (with a core per rank, e.g. --set parallel.cp={fits}, "
-            f"the ring hides ~99% of its transfers)")
+            f"peer that is not scheduled; that wait is reported as peer wait "
+            f"(peer_wait_seconds in steps.jsonl), apart from the overlap figure, which counts "
+            f"only transfers not hidden (with a core per rank, e.g. --set "
+            f"parallel.cp={fits}, the peer wait shrinks)")
 
 
 def _interrupt(signum, frame) -> None:
@@ -242,14 +243,16 @@ class _TrainView:
 
 
 def format_status_line(status) -> str:
-    """step, loss, tokens/s, overlap, imbalance, world size, restarts: the live line."""
+    """step, loss, tokens/s, overlap, peer wait, imbalance, world size, restarts: the live
+    line."""
     stats = status.last_stats
     world = f"world {status.world_size}/{status.target_dp * status.cp}"
     restarts = f"restarts {len(status.restarts)}"
     if stats is None:
         return f"{world}  {restarts}"
     return (f"loss {stats.loss:.4f}  {stats.tokens_per_second:,.0f} tok/s  "
-            f"overlap {stats.overlap_ratio:.3f}  imbalance {stats.load_imbalance:.3f}  "
+            f"overlap {stats.overlap_ratio:.3f}  peer wait {stats.peer_wait_seconds_max:.3f}s  "
+            f"imbalance {stats.load_imbalance:.3f}  "
             f"{world}  {restarts}")
 
 

@@ -6,8 +6,9 @@
 
 "ringray / Job" answers how the job is doing (state, throughput, MFU, loss, step time,
 checkpoints, restarts and recovery, world size against its target); "ringray / Ring" answers
-how its rings are doing (overlap and imbalance per ring, exposed communication per rank, the
-Ulysses all-to-alls' time, ring traffic, the straggler, memory). Every metric name goes through
+how its rings are doing (overlap and imbalance per ring, exposed communication per rank and
+its split into transfer not hidden and waiting for a late peer, the Ulysses all-to-alls'
+time, ring traffic, the straggler, memory). Every metric name goes through
 :func:`ringray.metrics.catalog.metric`, so a name that is not in the catalog fails the build.
 
 The dashboards are built with Grafana's foundation SDK (``grafana-foundation-sdk``, typed
@@ -236,14 +237,16 @@ def ring_dashboard() -> dashboard.Dashboard:
     overlap = series("ringray_ring_overlap_ratio")
     imbalance = series("ringray_load_imbalance_ratio")
     exposed_seconds = series("ringray_exposed_comm_seconds")
+    not_hidden_seconds = series("ringray_transfer_exposed_seconds")
+    peer_wait_seconds = series("ringray_peer_wait_seconds")
     sent_rate = rate(series("ringray_ring_sent_bytes_total"))
     slowest_over_median = f"max({ring_seconds()}) / quantile(0.5, {ring_seconds()})"
     overlap_colors = ((None, "red"), (0.8, "orange"), (0.95, "green"))
     imbalance_colors = ((None, "green"), (1.1, "orange"), (1.3, "red"))
     stats = [
         stat_panel("Worst ring overlap", 6, "Share of ring transfer time hidden behind compute "
-                   "on the worst rank of the worst ring, last step (1: all hidden; negative: "
-                   "waiting longer than the transfers alone take).")
+                   "on the worst rank of the worst ring, last step (1: all hidden, 0: none; "
+                   "waiting for a late peer is not in it: see Peer wait per rank).")
         .targets(queries(query(f"min({overlap})", "overlap", instant=True)))
         .unit("percentunit").decimals(1).thresholds(thresholds(*overlap_colors)),
         stat_panel("Worst ring imbalance", 6, "Max over mean attention compute across a "
@@ -273,14 +276,31 @@ def ring_dashboard() -> dashboard.Dashboard:
     ]
     exposed = [
         heatmap_panel("Exposed communication per rank", 12, "Seconds each rank (a row) waited "
-                      "for ring transfers that compute did not hide, per step: a bright row "
-                      "is a rank whose link is slow.", row_label="rank", cell_unit="s")
+                      "for ring transfers after its compute, per step (transfer not hidden "
+                      "plus waiting for a late peer): a bright row is a rank whose link is "
+                      "slow or whose peer is late.", row_label="rank", cell_unit="s")
         .targets(queries(query(exposed_seconds, "{{rank}}"))).unit("s"),
         timeseries_panel("Exposed share of ring time per rank", 12, "Exposed communication "
                          "over attention compute plus exposed communication, per rank (0: "
                          "every transfer hidden).")
         .targets(queries(query(f"{exposed_seconds} / ({ring_seconds()})", "rank {{rank}}")))
         .unit("percentunit").min(0),
+    ]
+    peer_wait = [
+        timeseries_panel("Peer wait per rank", 12, "Seconds each rank waited for a late ring "
+                         "peer per step: its exposed wait beyond what the transfers alone "
+                         "take (a straggler or a descheduled rank upstream; the straggler "
+                         "itself waits least).")
+        .targets(queries(query(peer_wait_seconds, "rank {{rank}} · node {{node}}")))
+        .unit("s").min(0),
+        timeseries_panel("Exposed wait split per ring", 12, "Per ring (dp index), the slowest "
+                         "rank's transfer not hidden (bounded by the transfers' own time: the "
+                         "overlap's complement) beside its longest wait for a late peer, per "
+                         "step.")
+        .targets(queries(
+            query(f"max by (ring) ({not_hidden_seconds})", "ring {{ring}} · transfer not hidden"),
+            query(f"max by (ring) ({peer_wait_seconds})", "ring {{ring}} · peer wait"),
+        )).unit("s").min(0),
     ]
     straggler = [
         timeseries_panel("Slowest rank ÷ median per ring", 12, "The slowest rank's attention "
@@ -328,9 +348,9 @@ def ring_dashboard() -> dashboard.Dashboard:
         .unit("bytes").min(0),
     ]
     board = _board("ringray-ring", "ringray / Ring", "The rings of a ringray job: overlap, "
-                   "load balance, exposed communication, Ulysses all-to-alls, traffic, "
-                   "stragglers and memory.")
-    return place(board, [stats, rings, exposed, straggler, ulysses, resources])
+                   "load balance, exposed communication and peer wait, Ulysses all-to-alls, "
+                   "traffic, stragglers and memory.")
+    return place(board, [stats, rings, exposed, peer_wait, straggler, ulysses, resources])
 
 
 def dashboards() -> dict[str, Dashboard]:

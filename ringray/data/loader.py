@@ -39,6 +39,9 @@ from ringray.data.tokenizer import Tokenizer
 _EPOCHS_CACHED = 4
 """Epoch orders kept in memory: a batch touches at most a few consecutive epochs."""
 
+_MASKS_CACHED = 256
+"""Documents' loss masks kept in memory (sources with a ``loss_mask`` only)."""
+
 IGNORE_LABEL = -100
 """A label that does not count (``torch.nn.functional.cross_entropy``'s ``ignore_index``)."""
 
@@ -127,6 +130,9 @@ class PackedLoader:
         self._documents: OrderedDict[int, torch.Tensor] = OrderedDict()
         self._documents_cached_tokens = 0
         self._epochs: OrderedDict[int, _EpochIndex] = OrderedDict()
+        # A source that counts only some tokens in the loss says which (TokenSource).
+        self._loss_mask = getattr(source, "loss_mask", None)
+        self._counted: OrderedDict[int, torch.Tensor] = OrderedDict()
 
     def epoch_order(self, epoch: int) -> tuple[int, ...]:
         """Document indices in the order they appear in ``epoch``'s stream."""
@@ -204,7 +210,36 @@ class PackedLoader:
         span = self.stream_tokens(start, start + self.local_batch * self.seq_len + 1)
         inputs = span[:-1].view(self.local_batch, self.seq_len)
         labels = span[1:].reshape(self.local_batch, self.seq_len)
+        if self._loss_mask is not None:  # the source counts only some tokens in the loss
+            counted = self._stream_counted(start + 1, start + self.local_batch * self.seq_len + 1)
+            labels = labels.masked_fill(~counted.view_as(labels), IGNORE_LABEL)
         return inputs, labels
+
+    def _stream_counted(self, start: int, stop: int) -> torch.Tensor:
+        """Whether each stream token ``[start, stop)`` counts in the loss, by the source's
+        ``loss_mask`` (an end-of-document token never does)."""
+        pieces = []
+        position = start
+        while position < stop:
+            epoch, offset = divmod(position, self.epoch_tokens)
+            index = self._epoch_index(epoch)
+            slot = bisect.bisect_right(index.starts, offset) - 1
+            document = index.order[slot]
+            counted = self._counted.get(document)
+            if counted is None:
+                mask = list(self._loss_mask(document, self.tokenizer))
+                if len(mask) != self._lengths[document]:
+                    raise ValueError(f"source: the loss mask of document {document} has "
+                                     f"{len(mask)} entries for {self._lengths[document]} tokens")
+                counted = torch.tensor([*mask, False])
+                self._counted[document] = counted
+                if len(self._counted) > _MASKS_CACHED:
+                    self._counted.popitem(last=False)
+            first = offset - index.starts[slot]
+            take = min(len(counted) - first, stop - position)
+            pieces.append(counted[first : first + take])
+            position += take
+        return torch.cat(pieces)
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``batch(next_index)``, then advance ``next_index``."""

@@ -195,6 +195,30 @@ def make_passkey_sample(
     )
 
 
+def passkey_retrieval_mask(tokenizer: Tokenizer, sample: PasskeySample) -> list[bool]:
+    """Which of ``sample``'s tokens only retrieval can predict (``True``), for training with
+    the loss on them alone: the key's repeat inside the needle (``... Remember it. 48213 is
+    the pass key``, a copy from a few tokens back) and the answer at the end (a copy from
+    the needle, anywhere in the context). The first copy of the key is random, and the
+    filler and the fixed sentences are predictable without looking back for the key.
+
+    The repeat is the second run of digit-holding tokens in the needle, so this holds for
+    tokenizers that merge digits (``482`` ``13``) as well as for bytes.
+    """
+    tokens = sample.tokens.tolist()
+    mask = [False] * len(tokens)
+    needle_length = len(tokenizer.encode(_needle_text(sample.passkey)))
+    runs, previous_has_digit = 0, False
+    for i in range(sample.needle_start, sample.needle_start + needle_length):
+        has_digit = any(c.isdigit() for c in tokenizer.decode([tokens[i]]))
+        runs += has_digit and not previous_has_digit
+        mask[i] = has_digit and runs == 2
+        previous_has_digit = has_digit
+    for i in range(sample.answer_start, len(tokens)):
+        mask[i] = True
+    return mask
+
+
 @dataclass(frozen=True)
 class PasskeyCell:
     """Counts for one (length, depth) cell of the evaluation grid."""

@@ -68,8 +68,15 @@ CATALOG: tuple[MetricSpec, ...] = (
                "Seconds of ring-attention compute on the rank, last step (forward and "
                "backward).", RANK),
     MetricSpec("ringray_exposed_comm_seconds", "gauge",
-               "Seconds the rank waited for ring transfers that compute did not hide, last "
-               "step.", RANK),
+               "Seconds the rank waited for ring transfers after its compute, last step: "
+               "ringray_transfer_exposed_seconds plus ringray_peer_wait_seconds.", RANK),
+    MetricSpec("ringray_transfer_exposed_seconds", "gauge",
+               "Seconds of the rank's ring transfers that compute did not hide, last step "
+               "(each ring step's at most that transfer's standalone time).", RANK),
+    MetricSpec("ringray_peer_wait_seconds", "gauge",
+               "Seconds the rank waited for a late ring peer (a straggler or a descheduled "
+               "rank), last step: its exposed wait beyond what the transfers alone explain.",
+               RANK),
     MetricSpec("ringray_a2a_seconds", "gauge",
                "Seconds the rank spent in Ulysses all-to-alls (sequence to heads and back, "
                "forward and backward), last step; all exposed, apart from the ring's exposed "
@@ -80,7 +87,8 @@ CATALOG: tuple[MetricSpec, ...] = (
                "Peak accelerator memory (CUDA) or resident set (CPU) of the rank.", RANK),
     MetricSpec("ringray_ring_overlap_ratio", "gauge",
                "Share of the ring's transfer time hidden behind compute, worst rank of the "
-               "ring, last step (1: all hidden).", RING),
+               "ring, last step (1: all hidden, 0: none; waiting for a late peer is not in "
+               "it).", RING),
     MetricSpec("ringray_load_imbalance_ratio", "gauge",
                "Max over mean attention compute across the ring's ranks, last step (1: even).",
                RING),

@@ -168,6 +168,8 @@ class JobMetrics:
         per_rank = (
             ("ringray_attention_compute_seconds", stats.attention_compute_seconds),
             ("ringray_exposed_comm_seconds", stats.exposed_comm_seconds),
+            ("ringray_transfer_exposed_seconds", stats.transfer_exposed_seconds),
+            ("ringray_peer_wait_seconds", stats.peer_wait_seconds),
             ("ringray_a2a_seconds", stats.a2a_seconds),
             ("ringray_peak_memory_bytes", stats.peak_memory_bytes_per_rank),
         )

@@ -49,7 +49,8 @@ def format_step(stats: StepStats, total_steps: int) -> str:
     return (
         f"step {stats.step:>5}/{total_steps}  loss {stats.loss:7.4f}  "
         f"lr {stats.learning_rate:.2e}  {stats.tokens_per_second:9.0f} tok/s  "
-        f"overlap {stats.overlap_ratio:6.3f}  imbalance {stats.load_imbalance:5.3f}  mfu {mfu}"
+        f"overlap {stats.overlap_ratio:6.3f}  peer wait {stats.peer_wait_seconds_max:6.3f}s  "
+        f"imbalance {stats.load_imbalance:5.3f}  mfu {mfu}"
     )
 
 

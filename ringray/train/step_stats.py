@@ -1,8 +1,9 @@
 """Per-step statistics of a training step, and how they are computed from the ranks' reports.
 
 Every rank reports a few numbers (its loss sum, attention compute and exposed-communication
-seconds, bytes sent round the ring, the ring's standalone transfer rate, peak memory, and with
-Ulysses its all-to-alls' seconds) in one small all-gather; :func:`summarize_step` turns the
+seconds, split into transfer not hidden and waiting for a late peer, bytes sent round the
+ring and what those exchanges take alone, peak memory, and with Ulysses its all-to-alls'
+seconds) in one small all-gather; :func:`summarize_step` turns the
 gathered table into a :class:`StepStats`. It is pure, so the arithmetic is unit-tested without
 processes.
 """
@@ -20,7 +21,9 @@ REPORT_FIELDS = (
     "attention_compute_seconds",
     "exposed_comm_seconds",
     "ring_bytes_sent",
-    "transfer_seconds_per_byte",
+    "ring_transfer_seconds",
+    "transfer_exposed_seconds",
+    "peer_wait_seconds",
     "peak_memory_bytes",
     "a2a_seconds",
 )
@@ -39,7 +42,9 @@ class StepStats:
     tokens_per_second: float
     attention_compute_seconds: list[float]
     exposed_comm_seconds: list[float]
-    overlap_ratio: float  # worst rank's share of ring communication hidden behind compute
+    # Worst rank's share of its ring transfers hidden behind compute, in [0, 1]: 1 - transfer
+    # not hidden / standalone transfer. Waiting for a late peer is not in it (peer_wait_*).
+    overlap_ratio: float
     load_imbalance: float  # worst CP group's max / mean attention compute
     mfu: float | None  # model FLOPs utilisation against the peak; None when no peak is known
     peak_memory_bytes: int  # largest over ranks
@@ -51,6 +56,12 @@ class StepStats:
     # Seconds in Ulysses all-to-alls per rank (all exposed: nothing computes during one);
     # zeros without Ulysses. Not part of exposed_comm_seconds, which is the ring's alone.
     a2a_seconds: list[float] = field(default_factory=list)
+    # exposed_comm_seconds split per rank (ringray.attention.stats.split_exposed): the part
+    # bounded by the transfers' own time, and the rest, spent waiting for a late peer.
+    transfer_exposed_seconds: list[float] = field(default_factory=list)
+    peer_wait_seconds: list[float] = field(default_factory=list)
+    peer_wait_seconds_max: float = 0.0  # the rank that waited longest for a peer
+    ring_transfer_seconds: list[float] = field(default_factory=list)  # the exchanges alone
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -76,8 +87,10 @@ def summarize_step(
     rows = [dict(zip(REPORT_FIELDS, row, strict=True)) for row in reports]
     compute = [r["attention_compute_seconds"] for r in rows]
     exposed = [r["exposed_comm_seconds"] for r in rows]
-    transfer = [r["ring_bytes_sent"] * r["transfer_seconds_per_byte"] for r in rows]
-    overlaps = [overlap_ratio(e, t) for e, t in zip(exposed, transfer, strict=True)]
+    not_hidden = [r["transfer_exposed_seconds"] for r in rows]
+    peer_wait = [r["peer_wait_seconds"] for r in rows]
+    transfer = [r["ring_transfer_seconds"] for r in rows]
+    overlaps = [overlap_ratio(e, t) for e, t in zip(not_hidden, transfer, strict=True)]
     imbalances = [
         imbalance_ratio(compute[d * shape.cp : (d + 1) * shape.cp]) for d in range(shape.dp)
     ]
@@ -107,4 +120,8 @@ def summarize_step(
         ring_bytes_sent=[int(r["ring_bytes_sent"]) for r in rows],
         peak_memory_bytes_per_rank=[int(r["peak_memory_bytes"]) for r in rows],
         a2a_seconds=[r["a2a_seconds"] for r in rows],
+        transfer_exposed_seconds=not_hidden,
+        peer_wait_seconds=peer_wait,
+        peer_wait_seconds_max=max(peer_wait),
+        ring_transfer_seconds=transfer,
     )

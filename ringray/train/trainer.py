@@ -242,7 +242,8 @@ class Trainer:
 
     def _measure_transfer_rate(self) -> float:
         """Seconds per byte of this ring's exchanges with nothing else running (median of
-        three), the baseline for the overlap ratio. Collective over the ring group. With
+        three), the baseline for the overlap ratio, timed on the clock the ring's waits are
+        (CUDA events on CUDA, the wall clock on CPU). Collective over the ring group. With
         Ulysses the ring's K block is its member's chunk (``layout.ring.local_len`` tokens)
         for this rank's share of the kv heads (repeated first when ulysses > kv heads)."""
         cfg = self.options.model
@@ -364,14 +365,19 @@ class Trainer:
         self.optimizer.step()
         self.step_count += 1
 
-        totals = self.ring_stats.totals()  # resolves CUDA events: once per step, here
+        # Resolves CUDA events (once per step, here) and splits exposed waits into transfer
+        # not hidden and peer wait against the standalone rate, timed on the same clock.
+        totals = self.ring_stats.totals(
+            transfer_seconds_per_byte=self._transfer_seconds_per_byte)
         report = {
             "loss_sum": loss_sum.item(),
             "attention_compute_seconds": totals.compute_seconds,
             "exposed_comm_seconds": totals.exposed_comm_seconds,
             "ring_bytes_sent": float(totals.bytes_sent),
             "a2a_seconds": totals.a2a_seconds,
-            "transfer_seconds_per_byte": self._transfer_seconds_per_byte,
+            "ring_transfer_seconds": totals.transfer_seconds,
+            "transfer_exposed_seconds": totals.transfer_exposed_seconds,
+            "peer_wait_seconds": totals.peer_wait_seconds,
             "peak_memory_bytes": float(_peak_memory_bytes(self.device)),
         }
         reports = self._gather_reports([report[name] for name in REPORT_FIELDS])
