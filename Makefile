@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ringray-installed
 
-.PHONY: setup run test lint bench clean prometheus gpu-check extend-demo
+.PHONY: setup run test test-all lint bench clean prometheus gpu-check extend-demo
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -53,7 +53,12 @@ prometheus:
 		(service prometheus stop >/dev/null 2>&1 || true); \
 	fi
 
+## CI's command: everything but the `slow`-marked end-to-end runs (about 15 minutes on 2 cores).
 test: lint prometheus
+	$(PY) -m pytest -q -m "not slow"
+
+## The whole suite, the slow end-to-end submissions to Ray clusters included (about 19 minutes).
+test-all: lint prometheus
 	$(PY) -m pytest -q
 
 clean:

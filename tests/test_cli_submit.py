@@ -92,6 +92,7 @@ def _steps(run_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
 
 
+@pytest.mark.slow
 def test_submit_status_logs_stop_and_resume(ray_head: str, tmp_path: Path) -> None:
     address = ["--address", ray_head]
 

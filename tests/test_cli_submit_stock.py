@@ -222,6 +222,7 @@ def test_submit_without_an_address_is_one_line(monkeypatch):
 
 # ---- a stock cluster -------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_stock_cluster_runs_the_quickstart(stock_head: str, tmp_path: Path) -> None:
     address = ["--address", stock_head]
     run_dir = tmp_path / "run"
@@ -241,6 +242,7 @@ def test_a_stock_cluster_runs_the_quickstart(stock_head: str, tmp_path: Path) ->
     assert shown.startswith(f"{job}: SUCCEEDED") and "last line:" in shown
 
 
+@pytest.mark.slow
 def test_no_pip_on_a_stock_cluster_names_the_missing_module_in_one_line(
         stock_head: str, tmp_path: Path) -> None:
     address = ["--address", stock_head]
