@@ -22,3 +22,16 @@ def pytest_collection_modifyitems(config, items):
 # reject. Both must be set before Ray is imported.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+@pytest.fixture(scope="module")
+def local_cluster():
+    """A local multi-node Ray cluster (:class:`ray_cluster.LocalCluster`) for one test module,
+    shut down after it; tests add and remove nodes on it."""
+    from ray_cluster import LocalCluster  # Ray is imported only by the modules that use it
+
+    cluster = LocalCluster()
+    try:
+        yield cluster
+    finally:
+        cluster.shutdown()

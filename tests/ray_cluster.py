@@ -6,7 +6,7 @@ marked dead in about 3 s (about 15 s with Ray's defaults).
 
 Each test adds its own worker nodes offering a resource named after the test, so its job
 can only land there, and removes them when it ends; the module's cluster is shut down by
-its fixture.
+the `local_cluster` fixture (tests/conftest.py).
 """
 
 from __future__ import annotations

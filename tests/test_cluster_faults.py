@@ -19,7 +19,6 @@ import pytest
 import torch
 from distributed import run_gloo_ranks
 from ray_cluster import (
-    LocalCluster,
     cluster_options,
     finish,
     job_options,
@@ -31,15 +30,6 @@ from train_cases import changed, rank_run_training, weights_from_checkpoint
 from ringray.train import CheckpointStore
 
 pytestmark = pytest.mark.timeout(600)
-
-
-@pytest.fixture(scope="module")
-def local_cluster():
-    cluster = LocalCluster()
-    try:
-        yield cluster
-    finally:
-        cluster.shutdown()
 
 
 @pytest.fixture()

@@ -22,15 +22,6 @@ from ray_cluster import LocalCluster, cluster_options, finish, job_options, star
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture(scope="module")
-def local_cluster():
-    cluster = LocalCluster()
-    try:
-        yield cluster
-    finally:
-        cluster.shutdown()
-
-
 def _run_ring2_ulysses2(cluster: LocalCluster, tag: str, slots: int, run_dir: Path):
     """A one-step job of cp 4 = ring 2 × ulysses 2 on two fresh nodes of ``slots`` slots;
     its final status and the two nodes' ids."""

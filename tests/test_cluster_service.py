@@ -21,7 +21,6 @@ import pytest
 import torch
 from distributed import run_gloo_ranks
 from ray_cluster import (
-    LocalCluster,
     cluster_options,
     finish,
     job_options,
@@ -35,15 +34,6 @@ from ringray.cluster.job_options import JobOptions
 from ringray.metrics import MetricsOptions
 
 pytestmark = pytest.mark.timeout(600)
-
-
-@pytest.fixture(scope="module")
-def local_cluster():
-    cluster = LocalCluster()
-    try:
-        yield cluster
-    finally:
-        cluster.shutdown()
 
 
 @pytest.fixture()

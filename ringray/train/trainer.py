@@ -297,12 +297,18 @@ class Trainer:
         """Forward and backward of this rank's share of the next batch, every row at once;
         returns its loss sum (the loss is the mean over all ``global_tokens``)."""
         inputs, labels = self._local_batch()
+        # with FSDP, the reduce-scatter sums the gradients in this backward
+        return self._loss_sum_backward(inputs, labels, self.ring, global_tokens)
+
+    def _loss_sum_backward(self, inputs: torch.Tensor, labels: torch.Tensor, ring: RingContext,
+                           divisor: int) -> torch.Tensor:
+        """Forward over ``ring``, then backward of the cross-entropy sum (labels
+        ``IGNORE_LABEL`` left out) divided by ``divisor``; returns the detached sum."""
         with self._autocast():
-            logits = self.model(inputs, self.ring)
-        loss_sum = F.cross_entropy(
-            logits.float().flatten(0, 1), labels.flatten(), reduction="sum"
-        )
-        (loss_sum / global_tokens).backward()  # with FSDP, its reduce-scatter sums here
+            logits = self.model(inputs, ring)
+        loss_sum = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
+                                   ignore_index=IGNORE_LABEL, reduction="sum")
+        (loss_sum / divisor).backward()
         return loss_sum.detach()
 
     def _documents_backward(self) -> tuple[torch.Tensor, int]:
@@ -318,14 +324,7 @@ class Trainer:
                 self.model.set_requires_gradient_sync(row == rows - 1)
             inputs = upload(ring.layout.shard(batch.inputs[row : row + 1], rank), self.device)
             labels = upload(ring.layout.shard(batch.labels[row : row + 1], rank), self.device)
-            with self._autocast():
-                logits = self.model(inputs, ring)
-            row_sum = F.cross_entropy(
-                logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_LABEL,
-                reduction="sum",
-            )
-            (row_sum / batch.counted_labels).backward()
-            loss_sum += row_sum.detach()
+            loss_sum += self._loss_sum_backward(inputs, labels, ring, batch.counted_labels)
         return loss_sum, batch.counted_labels
 
     def _gather_reports(self, report: list[float]) -> list[list[float]]:
