@@ -109,6 +109,14 @@ def test_loader_labels_only_the_retrieval_tokens(dp_size):
         for row in range(4):
             text = tok.decode(labels[row][counted[row]].tolist())
             assert text[:5] == text[5:] and text.isdigit()
+        # The loss's denominator, the same on every rank: the global batch's counted labels,
+        # with packed documents also leaving out each document's last label.
+        packed = [loader.packed(index) for loader in loaders]
+        in_documents = sum(int((p.labels != IGNORE_LABEL).sum()) for p in packed)
+        for loader, batch in zip(loaders, packed, strict=True):
+            assert loader.counted_labels(index, documents=False) == int(counted.sum()) == 40
+            assert loader.counted_labels(index, documents=True) == in_documents
+            assert batch.counted_labels == in_documents
 
 
 def test_loss_mask_length_mismatch_is_refused():

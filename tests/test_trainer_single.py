@@ -7,8 +7,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
 from train_cases import changed, tiny_options
 
+from ringray.data import IGNORE_LABEL
 from ringray.train import Trainer
 
 
@@ -20,6 +23,33 @@ def test_trains_on_synthetic_passkey_samples(tmp_path: Path) -> None:
     inputs, _ = trainer.loader.batch(0)
     assert b"pass key" in bytes(t for t in inputs[0].tolist() if t < 256)
     assert first.tokens == 2 * 256 and first.loss > 0
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_a_loss_masked_source_reports_the_mean_over_its_counted_labels(
+    tmp_path: Path, documents: bool,
+) -> None:
+    """data.source 'passkey_retrieval' counts 10 labels of each 256-token sample: the step's
+    loss is their mean cross-entropy (torch's own, ignore_index), not their sum over all 512
+    tokens, and the gradients it steps with are torch's gradients of that mean."""
+    options = tiny_options(str(tmp_path), data={"source": "passkey_retrieval",
+                                                "documents": documents},
+                           train={"seq_len": 256})
+    optimizer = replace(options.train.optimizer, grad_clip=0.0)
+    options = changed(options, train={"optimizer": optimizer})
+    trainer = Trainer(options)
+    model = trainer.model
+    inputs, labels = (trainer.loader.packed(0).inputs, trainer.loader.packed(0).labels) \
+        if documents else trainer.loader.batch(0)
+    assert int((labels != IGNORE_LABEL).sum()) == 20
+    want = F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten(),
+                           ignore_index=IGNORE_LABEL)
+    want.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    stats = trainer.step()
+    assert stats.loss == pytest.approx(want.item(), rel=1e-5)
+    for name, p in model.named_parameters():  # zero_grad left the step's own gradients
+        torch.testing.assert_close(p.grad, grads[name], rtol=1e-4, atol=1e-7, msg=name)
 
 
 def test_trains_on_a_directory_of_text(tmp_path: Path) -> None:

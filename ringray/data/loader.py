@@ -297,11 +297,24 @@ class PackedLoader:
             for end in ends:
                 if start + end - 1 in real:
                     labels[row, end - 1] = IGNORE_LABEL
+        return PackedBatch(inputs=inputs, labels=labels, documents=documents,
+                           counted_labels=self.counted_labels(index, documents=True))
+
+    def counted_labels(self, index: int, *, documents: bool) -> int:
+        """Labels of global batch ``index`` (every DP rank's rows, so the same number on
+        each rank) that count in the loss: the loss's denominator. A source's ``loss_mask``
+        leaves some out (:meth:`batch`), and with ``documents`` so does each document's last
+        token (:meth:`packed`). Read from the epoch orders and the cached masks alone."""
         first = index * self.global_batch * self.seq_len
         stop = first + self.global_batch * self.seq_len
-        counted = self.global_batch * self.seq_len - len(self._document_ends(first, stop))
-        return PackedBatch(inputs=inputs, labels=labels, documents=documents,
-                           counted_labels=counted)
+        if self._loss_mask is None:
+            ends = len(self._document_ends(first, stop)) if documents else 0
+            return stop - first - ends
+        counted = self._stream_counted(first + 1, stop + 1)  # label i is token i + 1
+        if documents:
+            ends = torch.tensor(self._document_ends(first, stop), dtype=torch.long)
+            counted[ends - first] = False
+        return int(counted.sum())
 
     def next_packed(self) -> PackedBatch:
         """``packed(next_index)``, then advance ``next_index``."""

@@ -82,8 +82,8 @@ def summarize_step(
 ) -> StepStats:
     """Combine the ranks' reports (``REPORT_FIELDS`` columns, one row per global rank).
 
-    ``counted_labels``: labels the loss is a mean over (packed documents leave each
-    document's last label out); ``None``: every token's."""
+    ``counted_labels``: labels the loss is a mean over (a source's loss mask and packed
+    documents leave some out; a batch with none reports 0.0); ``None``: every token's."""
     rows = [dict(zip(REPORT_FIELDS, row, strict=True)) for row in reports]
     compute = [r["attention_compute_seconds"] for r in rows]
     exposed = [r["exposed_comm_seconds"] for r in rows]
@@ -101,7 +101,7 @@ def summarize_step(
     return StepStats(
         step=step,
         loss=sum(r["loss_sum"] for r in rows) / (tokens if counted_labels is None
-                                                  else counted_labels),
+                                                  else max(counted_labels, 1)),
         grad_norm=grad_norm,
         learning_rate=learning_rate,
         step_seconds=step_seconds,

@@ -9,8 +9,9 @@ Each rank of a ``dp × cp`` mesh takes its data-parallel slice of the global bat
 sequence with the layout, and keeps its share. Labels are next tokens on the *global*
 sequence, sharded the same way, so the loss of a token does not depend on where it lives. The
 loss is the token mean over the whole global batch: each rank backpropagates its own token
-sum divided by the global token count, and summing the ranks' gradients gives exactly the
-gradient of a single-device run on the same batch. Replicated weights sum them with one
+sum divided by the global count of labels that count (every token's, unless the source's
+loss mask leaves some out), and summing the ranks' gradients gives exactly the gradient of a
+single-device run on the same batch. Replicated weights sum them with one
 all-reduce over the mesh; with ``parallel.fsdp`` FSDP2's reduce-scatter sums them into each
 rank's shard (:mod:`ringray.train.sharding`).
 
@@ -293,22 +294,25 @@ class Trainer:
             self._document_rings.popitem(last=False)
         return ring
 
-    def _batch_backward(self, global_tokens: int) -> torch.Tensor:
+    def _batch_backward(self) -> tuple[torch.Tensor, int]:
         """Forward and backward of this rank's share of the next batch, every row at once;
-        returns its loss sum (the loss is the mean over all ``global_tokens``)."""
+        returns its loss sum and the global batch's counted labels (the loss's divisor: all
+        tokens, unless the source's loss mask leaves some out)."""
+        counted = self.loader.counted_labels(self.loader.next_index, documents=False)
         inputs, labels = self._local_batch()
         # with FSDP, the reduce-scatter sums the gradients in this backward
-        return self._loss_sum_backward(inputs, labels, self.ring, global_tokens)
+        return self._loss_sum_backward(inputs, labels, self.ring, counted), counted
 
     def _loss_sum_backward(self, inputs: torch.Tensor, labels: torch.Tensor, ring: RingContext,
                            divisor: int) -> torch.Tensor:
         """Forward over ``ring``, then backward of the cross-entropy sum (labels
-        ``IGNORE_LABEL`` left out) divided by ``divisor``; returns the detached sum."""
+        ``IGNORE_LABEL`` left out) divided by ``divisor`` (at least 1: a batch with no
+        counted label gives zero gradients); returns the detached sum."""
         with self._autocast():
             logits = self.model(inputs, ring)
         loss_sum = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
                                    ignore_index=IGNORE_LABEL, reduction="sum")
-        (loss_sum / divisor).backward()
+        (loss_sum / max(divisor, 1)).backward()
         return loss_sum.detach()
 
     def _documents_backward(self) -> tuple[torch.Tensor, int]:
@@ -356,7 +360,7 @@ class Trainer:
         if self.options.data.documents:
             loss_sum, counted_labels = self._documents_backward()
         else:
-            loss_sum, counted_labels = self._batch_backward(global_tokens), None
+            loss_sum, counted_labels = self._batch_backward()
         if not self.sharded:
             all_reduce_gradients(self.model)
         clip = opt.grad_clip if opt.grad_clip > 0 else float("inf")
