@@ -75,12 +75,14 @@ def test_a_drain_whose_checkpoint_fails_moves_from_the_previous_checkpoint(
     nodes.add_node(tag, slots=2)
     nodes.add_node(tag, slots=2)
     run_dir = tmp_path / "ray"
-    options = job_options(str(run_dir), train={"steps": 40, "seq_len": 256},
-                          checkpoint={"interval": 10})
+    # Fifty steps (over a second of training) between the step-50 checkpoint and the next
+    # (the final one), so the drain is seen long before another checkpoint meets the broken
+    # location: with ten (0.3 s) a loaded machine let the step-20 checkpoint fail first.
+    options = job_options(str(run_dir), train={"steps": 100, "seq_len": 256},
+                          checkpoint={"interval": 50})
     controller = start_job("drain-fail", options, cluster_options(tag, max_failures=0))
-    # Right after the step-10 checkpoint, so no interval checkpoint meets the broken location.
-    status = wait_until(controller, lambda s: s.last_checkpoint_step == 10, timeout=120,
-                        what="the step-10 checkpoint")
+    status = wait_until(controller, lambda s: s.last_checkpoint_step == 50, timeout=120,
+                        what="the step-50 checkpoint")
     (doomed_id,) = status.plan.rings[0].nodes
     doomed = next(n for n in nodes.nodes if n.node_id == doomed_id)
 
@@ -103,10 +105,10 @@ def test_a_drain_whose_checkpoint_fails_moves_from_the_previous_checkpoint(
     assert status.state == "finished", status.error
     (moved,) = status.restarts
     assert moved.reason == "preempted" and "its checkpoint failed" in moved.detail
-    assert moved.resumed_from_step == 10 < moved.failed_at_step
+    assert moved.resumed_from_step == 50 < moved.failed_at_step < 100
     assert status.failures_used == 0
     assert doomed_id not in {w.node_id for w in status.workers}
-    assert _steps_logged(run_dir) == list(range(1, 41))
+    assert _steps_logged(run_dir) == list(range(1, 101))
     _assert_same_weights(_final_weights(options), _uninterrupted_weights(options, tmp_path))
 
 
