@@ -1,26 +1,28 @@
 """Extend a pretrained model's context on CPU, end to end, and show what it bought.
 
     python examples/context_extension.py          # the whole demonstration (make extend-demo)
-    python examples/context_extension.py --fresh  # delete the two run directories first
+    python examples/context_extension.py --fresh  # delete the three run directories first
 
 The stages (README: "Extending a pretrained model's context: a CPU demonstration"):
 
 1. ``ringray train jobs/extend-1-short.yaml``: the debug model learns passkey retrieval at a
-   short context (512 tokens), with the loss on the tokens only retrieval predicts.
-2. ``ringray export runs/extend-1-short --hf runs/extend-1-short/hf``: a Hugging Face
+   short context (256 tokens), with the loss on the tokens only retrieval predicts; then
+   ``ringray export runs/extend-1-short --hf runs/extend-1-short/hf`` writes a Hugging Face
    checkpoint (config.json, safetensors, tokenizer.json).
-3. Before: that checkpoint, loaded as ``model.from_pretrained`` does, scored at the long
-   length with the RoPE it was trained with and with the extension's RoPE change, with no
-   fine-tune: ``runs/extend-2-long/passkey-before-*.json``. The evaluation's settings (lengths,
-   depths, samples, seed) are the stage-2 job's, so before and after score the same prompts.
-4. ``ringray train jobs/extend-2-long.yaml``: start from the export with a raised RoPE base and
-   fine-tune briefly at 8192 tokens over a ring of 2; its own evaluation is the "after"
-   (``passkey.json``).
-5. ``ringray report runs/extend-2-long``: ``passkey.png`` shows exact match per depth, before
-   and after, beside the training curves.
+2. ``ringray train jobs/extend-2-mid.yaml``: from that export, RoPE base x16, fine-tuned at
+   1024 tokens over a ring of 2; exported in turn.
+3. ``ringray train jobs/extend-3-long.yaml``: from stage 2's export, RoPE base x16 again,
+   fine-tuned at 8192 tokens over a ring of 2.
+
+Before stages 2 and 3, the export they start from is scored at the stage's length with no
+fine-tune, loaded as ``model.from_pretrained`` loads it: once with the RoPE it was trained
+with and once with the stage's RoPE change (``runs/<stage>/passkey-before-*.json``; the
+stage job's evaluation settings, so before and after score the same prompts). Each stage's
+own evaluation is its "after" (``passkey.json``), and ``ringray report runs/<stage>`` draws
+``passkey.png``: exact match per depth, before and after, beside the training curves.
 
 Prints each stage's wall time, the machine's load at the start and the end, and the
-per-depth table, and writes ``runs/extend-2-long/demo.json`` with all of it.
+per-depth table, and writes ``runs/extend-3-long/demo.json`` with all of it.
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-SHORT_JOB = ROOT / "jobs/extend-1-short.yaml"
-LONG_JOB = ROOT / "jobs/extend-2-long.yaml"
+STAGES = ("extend-1-short", "extend-2-mid", "extend-3-long")
+"""The demonstration's jobs (``jobs/<name>.yaml``, run directory ``runs/<name>``), in order:
+each later one starts from the export of the one before."""
 
 
 def _ringray(*args: str) -> float:
@@ -58,15 +61,15 @@ def _loadavg() -> str:
         return "n/a"
 
 
-def evaluate_before(long_job: Path, hf_dir: Path, out_dir: Path) -> dict[str, dict]:
-    """Score the exported model at the long job's passkey lengths, without any fine-tune:
-    once with the RoPE it was trained with, once with the long job's ``model.rope`` change.
-    Writes ``passkey-before-*.json`` (with a ``label``) into ``out_dir``; one process."""
+def evaluate_before(job: Path, hf_dir: Path, out_dir: Path) -> dict[str, dict]:
+    """Score the export ``hf_dir`` at ``job``'s passkey lengths, without any fine-tune: once
+    with the RoPE it was trained with, once with the job's ``model.rope`` change. Writes
+    ``passkey-before-*.json`` (with a ``label``) into ``out_dir``; one process."""
     from ringray.data import HFTokenizer, evaluate_passkey
     from ringray.model import Transformer, load_hf_weights, load_pretrained
     from ringray.spec import load_job_spec
 
-    options = load_job_spec(long_job, check_paths=False).train_options()
+    options = load_job_spec(job, check_paths=False).train_options()
     tokenizer = HFTokenizer.from_pretrained(str(hf_dir))
     trained = load_pretrained(hf_dir)
     extended = Transformer(options.model)  # the checkpoint's shape with the job's RoPE
@@ -104,47 +107,45 @@ def _per_depth(report: dict) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--fresh", action="store_true",
-                        help="delete runs/extend-1-short and runs/extend-2-long first")
+                        help="delete the stages' run directories (runs/extend-*) first")
     args = parser.parse_args(argv)
-    short_run, long_run = ROOT / "runs/extend-1-short", ROOT / "runs/extend-2-long"
-    existing = [str(p) for p in (short_run, long_run) if p.exists()]
+    runs = [ROOT / "runs" / name for name in STAGES]
+    existing = [str(p) for p in runs if p.exists()]
     if existing and not args.fresh:
         print(f"error: {', '.join(existing)} exist (a resumed run would only re-evaluate); "
               f"pass --fresh to delete them, or rm -rf them", file=sys.stderr)
         return 2
-    for path in (short_run, long_run):
+    for path in runs:
         shutil.rmtree(path, ignore_errors=True)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
     load_start, start = _loadavg(), time.perf_counter()
     print(f"load average at start: {load_start}", flush=True)
-    seconds = {"train_short": _ringray("train", str(SHORT_JOB))}
-    hf_dir = short_run / "hf"
-    seconds["export"] = _ringray("export", str(short_run), "--hf", str(hf_dir))
-    before_start = time.perf_counter()
-    before = evaluate_before(LONG_JOB, hf_dir, long_run)
-    seconds["evaluate_before"] = time.perf_counter() - before_start
-    seconds["train_long"] = _ringray("train", str(LONG_JOB))
+    seconds: dict[str, float] = {}
+    summary: dict[str, dict] = {}
+    for number, (name, run) in enumerate(zip(STAGES, runs, strict=True)):
+        job = ROOT / "jobs" / f"{name}.yaml"
+        if number:  # score the export this stage starts from, before any fine-tune
+            before_start = time.perf_counter()
+            before = evaluate_before(job, runs[number - 1] / "hf", run)
+            seconds[f"{name}: evaluate before"] = time.perf_counter() - before_start
+            summary.update({f"{name} {variant}": _per_depth(report)
+                            for variant, report in before.items()})
+        seconds[f"{name}: train"] = _ringray("train", str(job))
+        summary[f"{name} after"] = _per_depth(json.loads((run / "passkey.json").read_text()))
+        if number < len(STAGES) - 1:
+            seconds[f"{name}: export"] = _ringray("export", str(run), "--hf", str(run / "hf"))
     seconds["total"] = time.perf_counter() - start
     load_end = _loadavg()
-    _ringray("report", str(long_run))
+    for run in runs[1:]:
+        _ringray("report", str(run))
 
-    after = json.loads((long_run / "passkey.json").read_text())
-    short = json.loads((short_run / "passkey.json").read_text())
-    summary = {
-        "seconds": seconds, "loadavg_start": load_start, "loadavg_end": load_end,
-        "short": _per_depth(short),
-        **{name: _per_depth(report) for name, report in before.items()},
-        "after": _per_depth(after),
-    }
-    (long_run / "demo.json").write_text(json.dumps(summary, indent=2))
+    result = {"seconds": seconds, "loadavg_start": load_start, "loadavg_end": load_end,
+              "exact_match": summary}
+    (runs[-1] / "demo.json").write_text(json.dumps(result, indent=2))
     print("\nexact match per length@depth:")
-    rows = ["short", *before, "after"]
-    keys = list(summary["after"])
-    print(f"{'':26}" + "".join(f"{k:>12}" for k in keys))
-    for row in rows[1:]:
-        print(f"{row:26}" + "".join(f"{summary[row].get(k, float('nan')):>12.2f}" for k in keys))
-    print(f"short-context model at its own length: {short['accuracy']:.2f} exact match")
+    for row, cells in summary.items():
+        print(f"{row:44}" + "".join(f"{k:>10} {v:.2f}" for k, v in cells.items()))
     print("wall seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items()))
     print(f"load average: start {load_start}, end {load_end}")
     return 0

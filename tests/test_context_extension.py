@@ -4,8 +4,9 @@
 - the ``passkey_retrieval`` source: the loss counts exactly the key's repeat in the needle and
   the answer, for bytes and for a BPE with multi-digit tokens, through the packed loader at
   any DP degree;
-- the two job files validate and chain: stage 2 starts from stage 1's export, over a ring,
-  at 16x the length with a 16x RoPE base, scored on the same grid;
+- the three job files validate and chain: each later stage starts from the export of the
+  one before, over a ring, at a longer length with a raised RoPE base, scored on the same
+  depths, the last at 8192 tokens or more;
 - the "before" evaluation of ``examples/context_extension.py`` scores an export with both
   RoPEs, and ``ringray report`` plots it beside the run's own ``passkey.json``.
 """
@@ -37,8 +38,8 @@ from ringray.plots import PASSKEY_AFTER_LABEL, ReportError, read_passkey_reports
 from ringray.spec import load_job_spec
 
 ROOT = Path(__file__).resolve().parents[1]
-SHORT_JOB = ROOT / "jobs/extend-1-short.yaml"
-LONG_JOB = ROOT / "jobs/extend-2-long.yaml"
+STAGE_JOBS = [ROOT / f"jobs/{name}.yaml"
+              for name in ("extend-1-short", "extend-2-mid", "extend-3-long")]
 
 
 # --- the passkey_retrieval source -----------------------------------------------------------
@@ -152,27 +153,31 @@ def export_dir(tmp_path_factory) -> Path:
 
 
 def test_the_demo_jobs_validate_and_chain(export_dir, tmp_path):
-    """Stage 1: the debug model at a short length on passkey_retrieval. Stage 2: from
-    stage 1's export (the path in the file), over a ring, 16x the length and the RoPE base,
-    the same data kind, scored at its own length on the same depths."""
-    short_spec = load_job_spec(SHORT_JOB, [f"run_dir={tmp_path / 'short'}"])
-    short = short_spec.train_options()
+    """Stage 1: the debug model at a short length on passkey_retrieval. Each later stage:
+    from the previous stage's export (the path in the file), over a ring, at a longer length
+    with a raised RoPE base, the same data kind and model, scored at its own length on the
+    same depths; the last stage at 8192 tokens or more."""
+    short = load_job_spec(STAGE_JOBS[0], [f"run_dir={tmp_path / 'short'}"]).train_options()
     assert short.data.source == "passkey_retrieval"
-    assert 512 <= short.train.seq_len <= 1024
     assert list(short.eval.passkey_lengths) == [short.train.seq_len]
-
-    raw = yaml.safe_load(LONG_JOB.read_text())
-    short_run_dir = load_job_spec(SHORT_JOB, check_paths=False).train_options().run_dir
-    assert raw["model"]["from_pretrained"] == f"{short_run_dir}/hf"
-    long = load_job_spec(LONG_JOB, [f"model.from_pretrained={export_dir}",
-                                    f"run_dir={tmp_path / 'long'}"]).train_options()
-    assert long.parallel.cp >= 2
-    assert long.train.seq_len >= 8192 and long.train.seq_len >= 16 * short.train.seq_len
-    assert long.model.rope_theta == 16 * short.model.rope_theta
-    assert long.data.source == short.data.source
-    assert list(long.eval.passkey_lengths) == [long.train.seq_len]
-    assert long.eval.passkey_depths == short.eval.passkey_depths
-    assert long.model.dim == short.model.dim and long.model.n_layers == short.model.n_layers
+    previous, previous_job = short, STAGE_JOBS[0]
+    for number, job in enumerate(STAGE_JOBS[1:], start=2):
+        raw = yaml.safe_load(job.read_text())
+        previous_run = load_job_spec(previous_job, [f"model.from_pretrained={export_dir}"]
+                                     if number > 2 else [], check_paths=False
+                                     ).train_options().run_dir
+        assert raw["model"]["from_pretrained"] == f"{previous_run}/hf", job.name
+        stage = load_job_spec(job, [f"model.from_pretrained={export_dir}",
+                                    f"run_dir={tmp_path / str(number)}"]).train_options()
+        assert stage.parallel.cp >= 2
+        assert stage.train.seq_len > previous.train.seq_len
+        assert stage.model.rope_theta > previous.model.rope_theta
+        assert stage.data.source == short.data.source
+        assert list(stage.eval.passkey_lengths) == [stage.train.seq_len]
+        assert stage.eval.passkey_depths == short.eval.passkey_depths
+        assert (stage.model.dim, stage.model.n_layers) == (short.model.dim, short.model.n_layers)
+        previous, previous_job = stage, job
+    assert previous.train.seq_len >= 8192 and previous.train.seq_len >= 16 * short.train.seq_len
 
 
 # --- the "before" evaluation and the report --------------------------------------------------
@@ -190,9 +195,9 @@ def test_before_evaluation_and_report(export_dir, tmp_path):
     (short lengths here, for speed), labelled; `ringray report` draws them with the run's
     passkey.json in passkey.png."""
     job = tmp_path / "long.yaml"
-    job.write_text(LONG_JOB.read_text())
+    job.write_text(STAGE_JOBS[1].read_text())
     overrides = [f"model.from_pretrained={export_dir}", "eval.passkey_lengths=[256]",
-                 "eval.passkey_samples=2"]
+                 "eval.passkey_samples=2", "model.rope.theta=160000"]
     spec = load_job_spec(job, overrides)
     job.write_text(yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
     run = tmp_path / "run"

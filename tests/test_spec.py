@@ -31,7 +31,7 @@ from ringray.train import (
 )
 
 JOBS_DIR = Path(__file__).resolve().parent.parent / "jobs"
-JOBS_FROM_AN_EXPORT = {"extend-2-long.yaml"}
+JOBS_FROM_AN_EXPORT = {"extend-2-mid.yaml", "extend-3-long.yaml"}
 """Jobs whose model.from_pretrained is an earlier job's export, absent until that job runs."""
 
 
