@@ -8,7 +8,8 @@ line) and writes one plot per question (loss, tokens/s, overlap, load imbalance 
 step) and an overview with all four. Overlap and imbalance show the job's worst ring and,
 when the job has several rings, each ring; beside the overlap, on its own axis in seconds,
 the longest wait of any rank for a late ring peer (``peer_wait_seconds_max``), which the
-overlap leaves out. Where ``events.jsonl`` says the workers were
+overlap leaves out, and, for a job with Ulysses groups, the longest all-to-all of any rank
+(the largest of ``a2a_seconds``). Where ``events.jsonl`` says the workers were
 started at a step after 0 (a recovery or a resumed run restoring a checkpoint), a dashed line
 marks that step.
 
@@ -201,23 +202,34 @@ def _plot_overlap(ax: Axes, steps: list[dict], restarts: list[int]) -> None:
     _per_ring(ax, steps, "overlap_ratio_per_ring")
     _line(ax, steps, "overlap_ratio", label="job (worst rank)")
     ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
-    _decorate(ax, "ring overlap: share of transfers hidden behind compute; peer wait",
+    a2a = "; all-to-all" if any(s.get("a2a_seconds") for s in steps) else ""
+    _decorate(ax, f"ring overlap: share of transfers hidden behind compute; peer wait{a2a}",
               "overlap ratio (1: all hidden)", restarts)
     _plot_peer_wait(ax, steps)
 
 
 def _plot_peer_wait(ax: Axes, steps: list[dict]) -> None:
-    """The longest wait for a late peer per step, on a second axis (seconds) over the
-    overlap's, in one legend with it. Runs written before the figure existed have none."""
-    if not any("peer_wait_seconds_max" in s for s in steps):
+    """Per step, on a second axis (seconds) over the overlap's and in one legend with it: the
+    longest wait for a late peer, and, when the job swaps heads in Ulysses groups, the longest
+    rank's all-to-all time. Runs written before these figures existed have no such axis."""
+    x = [s["step"] for s in steps]
+    lines = []
+    if any("peer_wait_seconds_max" in s for s in steps):
+        lines.append(([_number(s.get("peer_wait_seconds_max")) for s in steps],
+                      "peer wait, longest rank (s)", "C3"))
+    a2a = any(s.get("a2a_seconds") for s in steps)
+    if a2a:
+        lines.append(([max(s["a2a_seconds"]) if s.get("a2a_seconds") else math.nan
+                       for s in steps], "Ulysses all-to-all, longest rank (s)", "C4"))
+    if not lines:
         return
-    wait = ax.twinx()
-    wait.plot([s["step"] for s in steps], [_number(s.get("peer_wait_seconds_max")) for s in steps],
-              label="peer wait, longest rank (s)", color="C3", linewidth=1.2, linestyle="--")
-    wait.set_ylim(bottom=0)
-    wait.set_ylabel("waiting for a late peer (s)")
+    seconds = ax.twinx()
+    for y, label, color in lines:
+        seconds.plot(x, y, label=label, color=color, linewidth=1.2, linestyle="--")
+    seconds.set_ylim(bottom=0)
+    seconds.set_ylabel("waiting for a late peer (s)" if not a2a else "seconds per step")
     handles, labels = ax.get_legend_handles_labels()
-    more, more_labels = wait.get_legend_handles_labels()
+    more, more_labels = seconds.get_legend_handles_labels()
     ax.legend(handles + more, labels + more_labels, loc="best", fontsize="small")
 
 

@@ -154,3 +154,32 @@ def test_peer_wait_is_plotted_beside_the_overlap_on_its_own_axis():
     old = Figure()
     PLOTS["overlap"](old.subplots(), records, [])
     assert len(old.axes) == 1
+
+
+def test_ulysses_all_to_all_is_plotted_on_the_seconds_axis():
+    """A job with Ulysses groups records each rank's all-to-all seconds; the overlap plot
+    draws the longest rank's per step on the seconds axis beside the peer wait. Jobs without
+    Ulysses record an empty list and get no such line."""
+    from matplotlib.figure import Figure
+
+    from ringray.plots import PLOTS
+
+    records = [_stats(step).to_dict() for step in range(1, 6)]
+    for step, record in enumerate(records, start=1):
+        record["a2a_seconds"] = [0.01 * step, 0.02 * step, 0.0, 0.005]
+    fig = Figure()
+    PLOTS["overlap"](fig.subplots(), records, [])
+    overlap_ax, seconds_ax = fig.axes
+    lines = {line.get_label(): list(line.get_ydata()) for line in seconds_ax.get_lines()}
+    assert lines["Ulysses all-to-all, longest rank (s)"] == pytest.approx(
+        [0.02 * s for s in range(1, 6)])
+    assert lines["peer wait, longest rank (s)"] == pytest.approx([0.001 * s for s in range(1, 6)])
+    assert seconds_ax.get_ylabel() == "seconds per step"
+    legend = [t.get_text() for t in overlap_ax.get_legend().get_texts()]
+    assert "Ulysses all-to-all, longest rank (s)" in legend
+    plain = [_stats(step).to_dict() for step in range(1, 6)]
+    assert all(record["a2a_seconds"] == [] for record in plain)
+    fig = Figure()
+    PLOTS["overlap"](fig.subplots(), plain, [])
+    labels = [line.get_label() for line in fig.axes[1].get_lines()]
+    assert labels == ["peer wait, longest rank (s)"]
