@@ -1,4 +1,4 @@
-"""`ringray plan` (ringray/capacity.py): the memory and overlap formulas against hand arithmetic
+"""`ringray plan` (ringray/capacity/): the memory and overlap formulas against hand arithmetic
 and against the tensors autograd really saves (and the allocator really holds), for every
 activation checkpointing mode, replicated and FSDP; the GPU job files' verdicts; the command
 line.

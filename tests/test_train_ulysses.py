@@ -12,7 +12,7 @@ final weights are compared with a one-process run (cp 1) on the same global batc
 - ring 1 × ulysses 4, where the 2 kv heads are repeated onto 4 ranks (GQA with U > kv heads:
   the repeat's backward sums the copies' gradients).
 
-The same launch measures what ``ringray plan`` predicts for Ulysses (ringray/capacity.py,
+The same launch measures what ``ringray plan`` predicts for Ulysses (ringray/capacity/,
 ringray/train/footprint.py): the bytes a forward and backward send in all-to-alls (from the
 exchanged buffers, ``RingStats``) and the activations autograd saves per token (saved-tensor
 hooks at two lengths, as tests/test_capacity.py does without Ulysses).
