@@ -54,11 +54,11 @@ prometheus:
 		(service prometheus stop >/dev/null 2>&1 || true); \
 	fi
 
-## CI's command: everything but the `slow`-marked end-to-end runs (about 15 minutes on 2 cores).
+## CI's command: everything but the `slow`-marked end-to-end runs (16-18 minutes on 2 cores).
 test: lint prometheus
 	$(PY) -m pytest -q -m "not slow"
 
-## The whole suite, the slow end-to-end submissions to Ray clusters included (about 19 minutes).
+## The whole suite, the slow end-to-end submissions to Ray clusters included (about 3.5 minutes more).
 test-all: lint prometheus
 	$(PY) -m pytest -q
 
