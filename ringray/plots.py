@@ -202,32 +202,32 @@ def _plot_overlap(ax: Axes, steps: list[dict], restarts: list[int]) -> None:
     _per_ring(ax, steps, "overlap_ratio_per_ring")
     _line(ax, steps, "overlap_ratio", label="job (worst rank)")
     ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
-    a2a = "; all-to-all" if any(s.get("a2a_seconds") for s in steps) else ""
-    _decorate(ax, f"ring overlap: share of transfers hidden behind compute; peer wait{a2a}",
-              "overlap ratio (1: all hidden)", restarts)
-    _plot_peer_wait(ax, steps)
+    a2a = any(s.get("a2a_seconds") for s in steps)  # a job with Ulysses groups
+    _decorate(ax, "ring overlap: share of transfers hidden behind compute; peer wait"
+              + ("; all-to-all" if a2a else ""), "overlap ratio (1: all hidden)", restarts)
+    _plot_seconds(ax, steps, a2a=a2a)
 
 
-def _plot_peer_wait(ax: Axes, steps: list[dict]) -> None:
+def _plot_seconds(ax: Axes, steps: list[dict], *, a2a: bool) -> None:
     """Per step, on a second axis (seconds) over the overlap's and in one legend with it: the
-    longest wait for a late peer, and, when the job swaps heads in Ulysses groups, the longest
-    rank's all-to-all time. Runs written before these figures existed have no such axis."""
-    x = [s["step"] for s in steps]
+    longest wait for a late peer, and, with ``a2a`` (the job swaps heads in Ulysses groups),
+    the longest rank's all-to-all time. Runs written before these figures existed have no
+    such axis."""
     lines = []
     if any("peer_wait_seconds_max" in s for s in steps):
         lines.append(([_number(s.get("peer_wait_seconds_max")) for s in steps],
                       "peer wait, longest rank (s)", "C3"))
-    a2a = any(s.get("a2a_seconds") for s in steps)
     if a2a:
-        lines.append(([max(s["a2a_seconds"]) if s.get("a2a_seconds") else math.nan
-                       for s in steps], "Ulysses all-to-all, longest rank (s)", "C4"))
+        lines.append(([max(s.get("a2a_seconds") or [math.nan]) for s in steps],
+                      "Ulysses all-to-all, longest rank (s)", "C4"))
     if not lines:
         return
     seconds = ax.twinx()
     for y, label, color in lines:
-        seconds.plot(x, y, label=label, color=color, linewidth=1.2, linestyle="--")
+        seconds.plot([s["step"] for s in steps], y, label=label, color=color, linewidth=1.2,
+                     linestyle="--")
     seconds.set_ylim(bottom=0)
-    seconds.set_ylabel("waiting for a late peer (s)" if not a2a else "seconds per step")
+    seconds.set_ylabel("seconds per step" if a2a else "waiting for a late peer (s)")
     handles, labels = ax.get_legend_handles_labels()
     more, more_labels = seconds.get_legend_handles_labels()
     ax.legend(handles + more, labels + more_labels, loc="best", fontsize="small")

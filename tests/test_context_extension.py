@@ -163,9 +163,8 @@ def test_the_demo_jobs_validate_and_chain(export_dir, tmp_path):
     previous, previous_job = short, STAGE_JOBS[0]
     for number, job in enumerate(STAGE_JOBS[1:], start=2):
         raw = yaml.safe_load(job.read_text())
-        previous_run = load_job_spec(previous_job, [f"model.from_pretrained={export_dir}"]
-                                     if number > 2 else [], check_paths=False
-                                     ).train_options().run_dir
+        previous_run = load_job_spec(previous_job, [f"model.from_pretrained={export_dir}"],
+                                     check_paths=False).train_options().run_dir
         assert raw["model"]["from_pretrained"] == f"{previous_run}/hf", job.name
         stage = load_job_spec(job, [f"model.from_pretrained={export_dir}",
                                     f"run_dir={tmp_path / str(number)}"]).train_options()
