@@ -5,13 +5,7 @@ Hugging Face checkpoints in and out.
     from ringray.model import load_pretrained, save_pretrained
 """
 
-from ringray.model.config import (
-    MODEL_PRESETS,
-    ModelConfig,
-    ModelOptions,
-    RopeOptions,
-    model_preset,
-)
+from ringray.model.config import MODEL_PRESETS, ModelConfig, model_preset
 from ringray.model.hf import (
     ARCHITECTURES,
     check_hf_weights,
@@ -25,6 +19,7 @@ from ringray.model.hf import (
     save_pretrained,
 )
 from ringray.model.llama import RingContext, Transformer
+from ringray.model.options import ModelOptions, RopeOptions
 from ringray.model.rope import (
     ROPE_SCALING_KINDS,
     RopeScaling,
