@@ -2,30 +2,40 @@
 
     lock = RunLock("runs/quickstart", job="quickstart")
     note = lock.acquire()       # raises RunDirInUse naming the holder; a note if a stale lock
-    ...                         # was taken over; lock.refresh() now and then while running
+    ...                         # was taken over; a heartbeat thread keeps it fresh meanwhile
     lock.release()
 
-The lock is ``<run dir>/ringray.lock``, created exclusively (``O_EXCL``), holding the holder's
-pid, host, job and start time. A lock is stale when its holder is gone: on the same host, its
-pid no longer runs; on another host (which cannot be asked), it has not been refreshed for
-:data:`STALE_AFTER_SECONDS`. A stale lock is taken over (renamed away first, so two runs
-cannot both take it). Two ``ringray train`` of the same spec would otherwise write the same
-checkpoints and interleave their ``steps.jsonl``.
+The lock is ``<run dir>/ringray.lock``, holding the holder's pid, host, job and start time. It
+appears whole: the content is written to a private file first and hard-linked into place
+(``link`` fails when the name exists, like ``O_EXCL``), so a racer never reads a half-written
+lock. A lock is stale when its holder is gone: on the same host, its pid no longer runs; on
+another host (which cannot be asked), it has not been refreshed for
+:data:`STALE_AFTER_SECONDS`. While held, a daemon thread refreshes it every
+:data:`REFRESH_SECONDS` whatever the holder is doing, so a step longer than the stale limit
+does not make a live lock look abandoned. Taking over a stale lock happens under an
+exclusive ``flock`` of ``ringray.lock.guard``, so of several racing runs exactly one wins and
+none can move away a lock that another has just taken. Two ``ringray train`` of the same spec
+would otherwise write the same checkpoints and interleave their ``steps.jsonl``.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 LOCK_NAME = "ringray.lock"
+GUARD_NAME = "ringray.lock.guard"
 STALE_AFTER_SECONDS = 120.0
 """A lock held from another host counts as abandoned when not refreshed for this long (a
-holder refreshes it at least every :data:`REFRESH_SECONDS`)."""
+holder's heartbeat refreshes it every :data:`REFRESH_SECONDS`)."""
 REFRESH_SECONDS = 30.0
 
 
@@ -67,11 +77,14 @@ def holder_alive(holder: LockHolder, *, now: float | None = None) -> bool:
 class RunLock:
     """The lock of one run directory, for one holder (this process)."""
 
-    def __init__(self, run_dir: str | Path, *, job: str) -> None:
+    def __init__(self, run_dir: str | Path, *, job: str,
+                 refresh_seconds: float = REFRESH_SECONDS) -> None:
         self.path = Path(run_dir) / LOCK_NAME
         self.job = job
+        self.refresh_seconds = refresh_seconds
         self.held = False
-        self._refreshed = 0.0
+        self._stop_heartbeat = threading.Event()
+        self._heartbeat: threading.Thread | None = None
 
     def holder(self) -> LockHolder | None:
         """Who holds the lock now (alive or not), or ``None``."""
@@ -98,56 +111,87 @@ class RunLock:
         return holder.pid == os.getpid() and holder.host == socket.gethostname()
 
     def acquire(self) -> str | None:
-        """Take the lock; returns a note when a stale lock was taken over.
+        """Take the lock and start its heartbeat; returns a note when a stale lock was taken
+        over.
 
         Raises:
             RunDirInUse: a live run holds it.
         """
         self.path.parent.mkdir(parents=True, exist_ok=True)
         note = None
-        for _ in range(3):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
+        with self._guard():
+            for _ in range(3):
+                if self._create():
+                    self.held = True
+                    self._start_heartbeat()
+                    return note
                 holder = self.holder()
                 if holder is not None and self._is_me(holder):
                     self.held = True
+                    self._start_heartbeat()
                     return note
                 if holder is not None and holder_alive(holder):
                     self.check()
                 note = self._take_over(holder)
-                continue
-            with os.fdopen(fd, "w") as f:
-                json.dump({"pid": os.getpid(), "host": socket.gethostname(), "job": self.job,
-                           "since_unix": time.time()}, f)
-            self.held = True
-            self._refreshed = time.monotonic()
-            return note
         raise RunDirInUse(f"run_dir: {self.path.parent}: could not take the lock {self.path} "
                           f"(another run is taking it at the same time)")
 
-    def _take_over(self, holder: LockHolder | None) -> str:
-        """Move a stale (or unreadable) lock away; only one of several racing runs wins."""
-        stale = self.path.with_name(f"{LOCK_NAME}.stale-{os.getpid()}")
+    @contextmanager
+    def _guard(self) -> Iterator[None]:
+        """Serialise acquirers of this run directory (an exclusive ``flock``), so a stale
+        lock is judged and moved away by one of them at a time."""
+        fd = os.open(self.path.with_name(GUARD_NAME), os.O_CREAT | os.O_RDWR, 0o644)
         try:
-            os.rename(self.path, stale)
-            stale.unlink(missing_ok=True)
-        except FileNotFoundError:
-            pass
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing releases the flock
+
+    def _create(self) -> bool:
+        """Create the lock file with its content in one step; ``False`` if it exists."""
+        private = self.path.with_name(f"{LOCK_NAME}.{socket.gethostname()}-{os.getpid()}")
+        private.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                       "job": self.job, "since_unix": time.time()}))
+        try:
+            os.link(private, self.path)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            private.unlink(missing_ok=True)
+
+    def _take_over(self, holder: LockHolder | None) -> str:
+        """Remove a stale (or unreadable) lock; called under the guard."""
+        self.path.unlink(missing_ok=True)
         who = holder.describe() if holder else "an unreadable lock"
         return f"took over the run directory's lock from {who}, which no longer runs"
 
+    def _start_heartbeat(self) -> None:
+        if self._heartbeat is not None:
+            return
+        self._stop_heartbeat.clear()
+        self._heartbeat = threading.Thread(target=self._beat, name="ringray-lock-heartbeat",
+                                           daemon=True)
+        self._heartbeat.start()
+
+    def _beat(self) -> None:
+        while not self._stop_heartbeat.wait(self.refresh_seconds):
+            self.refresh()
+
     def refresh(self) -> None:
-        """Mark the lock alive (cheap; at most once per :data:`REFRESH_SECONDS`)."""
-        if self.held and time.monotonic() - self._refreshed >= REFRESH_SECONDS:
-            self._refreshed = time.monotonic()
+        """Mark the lock alive now (the heartbeat does this every ``refresh_seconds``)."""
+        if self.held:
             try:
                 os.utime(self.path)
             except FileNotFoundError:
                 pass
 
     def release(self) -> None:
-        """Give the lock up (only if this process holds it)."""
+        """Stop the heartbeat and give the lock up (only if this process holds it)."""
+        if self._heartbeat is not None:
+            self._stop_heartbeat.set()
+            self._heartbeat.join()
+            self._heartbeat = None
         if not self.held:
             return
         holder = self.holder()
