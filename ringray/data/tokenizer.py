@@ -169,6 +169,19 @@ def _check_ids(ids: Iterable[int], vocab_size: int) -> list[int]:
     return checked
 
 
+def _json_object(text: str, where: str) -> dict:
+    """The JSON object in ``text`` (a file's content); ``ValueError`` naming ``where``."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise ValueError(f"{where}: nested too deeply to parse as JSON") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {json.dumps(value)[:40]}")
+    return value
+
+
 def _token_content(value: object) -> str | None:
     """A special token as tokenizer_config.json spells it: a string or ``{"content": ...}``."""
     if isinstance(value, Mapping):
@@ -223,23 +236,42 @@ class HFTokenizer:
         fs, root = fsspec.core.url_to_fs(path)
         root = root.rstrip("/")
 
+        def where(name: str) -> str:
+            return f"{path.rstrip('/')}/{name}"
+
         def read(name: str) -> str | None:
             file = f"{root}/{name}"
-            return fs.cat_file(file).decode("utf-8") if fs.exists(file) else None
+            if not fs.exists(file):
+                return None
+            data = fs.cat_file(file)
+            try:
+                return data.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{where(name)}: not UTF-8 text (byte "
+                                 f"{data[exc.start]:#04x} at offset {exc.start})") from None
+
+        def read_object(name: str) -> dict:
+            text = read(name)
+            return {} if text is None else _json_object(text, where(name))
 
         text = read("tokenizer.json")
         if text is None:
             raise ValueError(f"{path}: no tokenizer.json")
-        tokenizer = tokenizers.Tokenizer.from_str(text)
-        config = json.loads(read("tokenizer_config.json") or "{}")
+        try:
+            tokenizer = tokenizers.Tokenizer.from_str(text)
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception
+            reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc)
+            raise ValueError(f"{where('tokenizer.json')}: not a tokenizer the tokenizers "
+                             f"library reads ({reason})") from None
+        config = read_object("tokenizer_config.json")
         eos = _token_content(config.get("eos_token"))
         if eos is None:
-            eos_id = json.loads(read("config.json") or "{}").get("eos_token_id")
+            eos_id = read_object("config.json").get("eos_token_id")
             eos_id = eos_id[0] if isinstance(eos_id, list) and eos_id else eos_id
             eos = tokenizer.id_to_token(eos_id) if isinstance(eos_id, int) else None
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: use the default one
-            named = {t.get("name"): t.get("template") for t in template}
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default")
         template = template or read("chat_template.jinja")
         return cls(tokenizer, eos_token=eos, bos_token=_token_content(config.get("bos_token")),

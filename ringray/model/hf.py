@@ -164,13 +164,20 @@ def config_from_hf(hf: Mapping[str, object]) -> ModelConfig:
 
 
 def read_model_config(path: str) -> ModelConfig:
-    """The :class:`ModelConfig` of the checkpoint at ``path`` (its config.json only)."""
+    """The :class:`ModelConfig` of the checkpoint at ``path`` (its config.json only);
+    ``ValueError`` in one line naming the file for anything that is not a supported one."""
+    fs, local = fsspec.core.url_to_fs(path)
+    if fs.isfile(local):
+        raise ValueError(f"{path}: is a file; give the checkpoint's directory (the one that "
+                         f"holds config.json, *.safetensors and tokenizer.json)")
     config_path = join(path, "config.json")
     hf = read_json(config_path)
     try:
         return config_from_hf(hf)
     except ValueError as exc:
         raise ValueError(f"{exc} (in {config_path})") from None
+    except (TypeError, AttributeError) as exc:  # a key holding a value of another JSON type
+        raise ValueError(f"{config_path}: a value has the wrong JSON type ({exc})") from None
 
 
 def _expressible(cfg: ModelConfig, arch: str) -> bool:

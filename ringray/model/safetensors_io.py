@@ -16,6 +16,7 @@ that tensor's bytes (or the rows asked for, which are one contiguous range), so 
 from __future__ import annotations
 
 import json
+import math
 import posixpath
 import struct
 from collections.abc import Iterable, Iterator, Mapping
@@ -49,18 +50,76 @@ class _Entry:
     end: int
 
 
+def _header_entries(raw: bytes, file: str, path: str, *, data_start: int,
+                    size: int) -> dict[str, _Entry]:
+    """The tensors a safetensors header (``raw``, the JSON after the length) describes, with
+    the checks ``safe_open`` makes: each tensor's byte range fits its dtype and shape, and the
+    ranges cover the data after the header exactly (else the file is truncated or padded)."""
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ValueError(f"{path}: the header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: the header is {_preview(header)}, expected a JSON object "
+                         f"of tensors")
+    header.pop("__metadata__", None)
+    entries = {}
+    for name, info in header.items():
+        try:
+            dtype, shape = info["dtype"], tuple(int(n) for n in info["shape"])
+            begin, end = (int(n) for n in info["data_offsets"])
+        except (TypeError, KeyError, ValueError):
+            raise ValueError(f"{path}: tensor {name} has no valid dtype, shape and "
+                             f"data_offsets in the header") from None
+        nbytes = math.prod(shape) * _DTYPES[dtype].itemsize if dtype in _DTYPES else None
+        if not 0 <= begin <= end or (nbytes is not None and end - begin != nbytes):
+            raise ValueError(f"{path}: tensor {name} has data_offsets [{begin}, {end}], which "
+                             f"do not hold its {dtype} shape {list(shape)}")
+        entries[name] = _Entry(file, dtype, shape, data_start + begin, data_start + end)
+    for entry_name, entry in sorted(entries.items(), key=lambda item: item[1].end):
+        if entry.end > size:
+            raise ValueError(f"{path}: truncated: tensor {entry_name} ends at byte {entry.end} "
+                             f"but the file has {size} bytes")
+    data_end = max((e.end for e in entries.values()), default=data_start)
+    if data_end != size:
+        raise ValueError(f"{path}: {size - data_end} bytes after the last tensor's data "
+                         f"(the file is not as safetensors wrote it)")
+    return entries
+
+
 def join(root: str, name: str) -> str:
     """``root/name`` for a local path or a URL."""
     return posixpath.join(root.rstrip("/"), name) if "://" in root else f"{root}/{name}"
 
 
 def read_json(path: str) -> dict:
-    """A JSON file at a local path or fsspec URL (``ValueError`` naming it if absent)."""
+    """The JSON object in a file at a local path or fsspec URL; ``ValueError`` (one line
+    naming the file) when it is absent, unreadable, not JSON or not an object."""
     try:
-        with fsspec.open(path, "r") as f:
-            return json.load(f)
+        with fsspec.open(path, "rb") as f:
+            data = json.loads(f.read().decode("utf-8"))
     except FileNotFoundError:
         raise ValueError(f"{path}: no such file") from None
+    except NotADirectoryError:
+        raise ValueError(f"{path}: a parent of it is a file, not a directory") from None
+    except IsADirectoryError:
+        raise ValueError(f"{path}: is a directory, expected a JSON file") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at "
+                         f"offset {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise ValueError(f"{path}: nested too deeply to parse as JSON") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {_preview(data)}")
+    return data
+
+
+def _preview(value: object, limit: int = 40) -> str:
+    """``value`` as JSON, cut to ``limit`` characters, for a message."""
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class SafetensorsCheckpoint:
@@ -87,16 +146,26 @@ class SafetensorsCheckpoint:
                          f"safetensors checkpoints only)")
 
     def _read_header(self, file: str) -> dict[str, _Entry]:
-        with self._fs.open(self._file_path(file), "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
-        header.pop("__metadata__", None)
-        start = 8 + length
-        return {
-            name: _Entry(file, info["dtype"], tuple(info["shape"]),
-                         start + info["data_offsets"][0], start + info["data_offsets"][1])
-            for name, info in header.items()
-        }
+        """``file``'s tensors from its header, checked against the file's size (no tensor
+        data read): what ``safe_open`` would refuse later, on a worker, is refused here in
+        one line naming the file."""
+        path = join(self.root, file)
+        try:
+            size = self._fs.size(self._file_path(file))
+            with self._fs.open(self._file_path(file), "rb") as f:
+                prefix = f.read(8)
+                if len(prefix) < 8:
+                    raise ValueError(f"{path}: {size} bytes, too short for a safetensors file "
+                                     f"(it starts with an 8-byte header length)")
+                (length,) = struct.unpack("<Q", prefix)
+                if length > size - 8:
+                    raise ValueError(f"{path}: header length {length} bytes is more than the "
+                                     f"{size - 8} bytes after it (a truncated file, or not "
+                                     f"safetensors)")
+                raw = f.read(length)
+        except FileNotFoundError:
+            raise ValueError(f"{path}: no such file (named by {INDEX_FILE})") from None
+        return _header_entries(raw, file, path, data_start=8 + length, size=size)
 
     @property
     def names(self) -> list[str]:

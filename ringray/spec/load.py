@@ -111,7 +111,9 @@ def check_pretrained(options: TrainOptions) -> None:
     try:
         check_hf_weights(options.model, options.pretrained)
         tokenizer = HFTokenizer.from_pretrained(options.pretrained)
-    except (OSError, ValueError) as exc:
+    except ValueError as exc:  # names the file and what is wrong with it
+        raise JobSpecError(f"model.from_pretrained: {exc}") from None
+    except OSError as exc:  # may not name the checkpoint (a remote filesystem's errors)
         raise JobSpecError(f"{where}: {exc}") from None
     if tokenizer.vocab_size > options.model.vocab_size:
         raise JobSpecError(f"{where}: its tokenizer has {tokenizer.vocab_size} tokens, more "
