@@ -1,6 +1,6 @@
-"""The README's job file and CLI references are exactly what the code generates (regenerate
-with ``python -m ringray.cli.reference --write README.md``), and the generators cover
-every field and every command."""
+"""The generated pages, ``docs/job-file.md`` and ``docs/cli.md``, hold exactly what the code
+generates (``python -m ringray.cli.reference --check``; regenerate with ``--write``), and the
+generators cover every field and every command."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import typer
 
 from ringray.cli import app
-from ringray.cli.reference import CLI_MARKER, cli_reference, main
+from ringray.cli.reference import CLI_MARKER, PAGES, cli_reference, main
 from ringray.spec import JobSpec
 from ringray.spec.reference import (
     JOB_SPEC_MARKER,
@@ -19,25 +19,23 @@ from ringray.spec.reference import (
     replace_block,
 )
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-REGENERATE = "python -m ringray.cli.reference --write README.md"
+ROOT = Path(__file__).resolve().parents[1]
+REGENERATE = "python -m ringray.cli.reference --write"
+
+
+def test_docs_pages_pass_check(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--check`` on this repository passes: both pages are current."""
+    assert main(["--check", "--root", str(ROOT)]) == 0, capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("marker", "generate"), [(JOB_SPEC_MARKER, job_spec_reference),
                                                   (CLI_MARKER, cli_reference)])
-def test_readme_block_is_generated(marker: str, generate) -> None:
-    block = read_block(README.read_text(), marker)
-    assert block is not None, f"README.md has no {marker} markers"
-    assert block == generate(), f"README.md's {marker} is stale: run {REGENERATE}"
-
-
-def test_readme_sections_are_in_order() -> None:
-    """The job file reference, then the CLI reference, right before the repository layout."""
-    text = README.read_text()
-    headings = [line for line in text.splitlines() if line.startswith("## ")]
-    i = headings.index("## Job file reference")
-    assert headings[i:i + 3] == ["## Job file reference", "## CLI reference",
-                                 "## Layout of the repository"]
+def test_page_block_is_generated(marker: str, generate) -> None:
+    """Each block lives in its own page (the diff of a stale one is shown here)."""
+    page = ROOT / PAGES[marker]
+    block = read_block(page.read_text(), marker)
+    assert block is not None, f"{PAGES[marker]} has no {marker} markers"
+    assert block == generate(), f"{PAGES[marker]}'s {marker} is stale: run {REGENERATE}"
 
 
 def _dotted_fields(model: type, prefix: str = "") -> list[str]:
@@ -65,11 +63,11 @@ def test_cli_reference_lists_every_command() -> None:
     reference = cli_reference()
     root = typer.main.get_command(app)
     for name, command in root.commands.items():
-        assert f"#### `ringray {name}" in reference, name
+        assert f"## `ringray {name}" in reference, name
         for sub in getattr(command, "commands", {}):
-            assert f"#### `ringray {name} {sub} " in reference or \
-                f"#### `ringray {name} {sub}`" in reference, f"{name} {sub}"
-    assert "#### `ringray train SPEC [OPTIONS]`" in reference
+            assert f"## `ringray {name} {sub} " in reference or \
+                f"## `ringray {name} {sub}`" in reference, f"{name} {sub}"
+    assert "## `ringray train SPEC [OPTIONS]`" in reference
     assert "| `--set <list[str]>` | Override a spec field (repeatable)" in reference
 
 
@@ -90,24 +88,35 @@ def test_cli_reference_follows_the_app() -> None:
         """Say bye."""
 
     reference = cli_reference(extra)
-    assert "#### `ringray hello WHO [OPTIONS]`\n\nSay hello.\n\nExample: `ringray hello world " \
+    assert "## `ringray hello WHO [OPTIONS]`\n\nSay hello.\n\nExample: `ringray hello world " \
            "--loud`" in reference
     assert "| `--loud` | Shout. |" in reference
 
 
 def test_write_and_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """``--write`` fills the blocks and keeps the rest; ``--check`` says when one is stale."""
-    readme = tmp_path / "README.md"
-    body = (f"# x\n\nbefore\n\n<!-- BEGIN {JOB_SPEC_MARKER} -->\nold\n<!-- END "
-            f"{JOB_SPEC_MARKER} -->\n\n<!-- BEGIN {CLI_MARKER} -->\n<!-- END {CLI_MARKER} -->"
-            f"\n\nafter\n")
-    readme.write_text(body)
-    assert main(["--check", str(readme)]) == 1
-    assert "stale: job-spec-reference, cli-reference" in capsys.readouterr().err
-    assert main(["--write", str(readme)]) == 0
-    text = readme.read_text()
-    assert text.startswith("# x\n\nbefore\n\n") and text.endswith("\n\nafter\n")
-    assert read_block(text, JOB_SPEC_MARKER) == job_spec_reference()
-    assert main(["--check", str(readme)]) == 0
+    """``--write`` fills each page's block and keeps the prose around it; ``--check`` names
+    each stale page, and a page without its markers."""
+    pages = {}
+    for marker, relative in PAGES.items():
+        pages[marker] = tmp_path / relative
+        pages[marker].parent.mkdir(parents=True, exist_ok=True)
+        pages[marker].write_text(f"# x\n\nbefore\n\n<!-- BEGIN {marker} -->\nold\n"
+                                 f"<!-- END {marker} -->\n\nafter\n")
+    root = ["--root", str(tmp_path)]
+    assert main(["--check", *root]) == 1
+    err = capsys.readouterr().err
+    assert f"{PAGES[JOB_SPEC_MARKER]}: {JOB_SPEC_MARKER} is stale" in err
+    assert f"{PAGES[CLI_MARKER]}: {CLI_MARKER} is stale" in err
+    assert main(["--write", *root]) == 0
+    for marker, generate in [(JOB_SPEC_MARKER, job_spec_reference),
+                             (CLI_MARKER, cli_reference)]:
+        text = pages[marker].read_text()
+        assert text.startswith("# x\n\nbefore\n\n") and text.endswith("\n\nafter\n")
+        assert read_block(text, marker) == generate()
+    assert main(["--check", *root]) == 0
+
+    pages[CLI_MARKER].write_text("# CLI reference, markers lost\n")
+    assert main(["--check", *root]) == 1
+    assert f"no <!-- BEGIN {CLI_MARKER} -->" in capsys.readouterr().err
     with pytest.raises(ValueError, match="no <!-- BEGIN nope -->"):
-        replace_block(text, "nope", "")
+        replace_block("text", "nope", "")

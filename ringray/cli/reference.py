@@ -1,12 +1,13 @@
-"""The README's CLI reference, generated from the typer app, and the command that writes the
-generated blocks (this one and the job file reference) into the README.
+"""The CLI reference, generated from the typer app, and the command that writes the generated
+blocks (this one and the job file reference) into their pages under ``docs/``.
 
-    python -m ringray.cli.reference --write README.md    # regenerate both sections
-    python -m ringray.cli.reference --check README.md    # exit 1 if either is stale
+    python -m ringray.cli.reference --write    # regenerate docs/job-file.md and docs/cli.md
+    python -m ringray.cli.reference --check    # exit 1 if either page's block is stale
 
 :func:`cli_reference` walks the app (every command and sub-command, its one-line help, its
-examples and its options); ``tests/test_docs_reference.py`` checks that the README holds
-exactly what it and :func:`ringray.spec.reference.job_spec_reference` return.
+examples and its options). Each block has one page (:data:`PAGES`), between
+``<!-- BEGIN name -->`` and ``<!-- END name -->``; the prose around it is kept.
+``tests/test_docs_reference.py`` runs ``--check`` on the repository's pages.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from ringray.spec.reference import (
 )
 
 CLI_MARKER = "cli-reference"
+PAGES = {JOB_SPEC_MARKER: Path("docs/job-file.md"), CLI_MARKER: Path("docs/cli.md")}
+"""Where each generated block lives, relative to the repository."""
 
 
 def _option_row(param: object, ctx: object) -> str:
@@ -80,7 +83,7 @@ def cli_reference(app: object | None = None) -> str:
     root = typer.main.get_command(app)
     lines = [
         "Every `ringray` command, generated from the typer app (`ringray.cli.app`) by "
-        "`python -m ringray.cli.reference --write README.md`; `ringray COMMAND --help` "
+        "`python -m ringray.cli.reference --write`; `ringray COMMAND --help` "
         "prints the same.",
     ]
     for path, command in _commands(root, "ringray"):
@@ -93,7 +96,7 @@ def cli_reference(app: object | None = None) -> str:
             usage += " COMMAND"
         elif any(p.param_type_name == "option" for p in params):
             usage += " [OPTIONS]"
-        lines += ["", f"#### `{usage}`", "", _first_paragraph(command.help or "")]
+        lines += ["", f"## `{usage}`", "", _first_paragraph(command.help or "")]
         examples = _examples(command.help or "")
         if examples:
             lines += ["", "Example" + ("s" if len(examples) > 1 else "") + ": "
@@ -109,32 +112,45 @@ def generated_blocks() -> dict[str, str]:
     return {JOB_SPEC_MARKER: job_spec_reference(), CLI_MARKER: cli_reference()}
 
 
+def sync_pages(root: Path, *, write: bool) -> list[str]:
+    """Compare (``write``: rewrite) each page's generated block with what the code generates
+    now. Returns one line per page that is stale (after ``write``: none) or has no markers."""
+    problems = []
+    for name, body in generated_blocks().items():
+        path = root / PAGES[name]
+        text = path.read_text() if path.is_file() else ""
+        if read_block(text, name) is None:
+            problems.append(f"{path}: no <!-- BEGIN {name} --> ... <!-- END {name} --> block")
+            continue
+        updated = replace_block(text, name, body)
+        if updated == text:
+            continue
+        if write:
+            path.write_text(updated)
+        else:
+            problems.append(f"{path}: {name} is stale")
+    return problems
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     action = parser.add_mutually_exclusive_group(required=True)
-    action.add_argument("--write", metavar="README", help="Rewrite the blocks in this file.")
-    action.add_argument("--check", metavar="README", help="Exit 1 if a block is stale.")
+    action.add_argument("--write", action="store_true", help="Rewrite the pages' blocks.")
+    action.add_argument("--check", action="store_true", help="Exit 1 if a block is stale.")
     action.add_argument("--print", choices=[JOB_SPEC_MARKER, CLI_MARKER],
                         help="Print one block.")
+    parser.add_argument("--root", type=Path, default=Path("."),
+                        help="The repository whose docs/ holds the pages (default: here).")
     args = parser.parse_args(argv)
     if args.print:
         sys.stdout.write(generated_blocks()[args.print])
         return 0
-    path = Path(args.write or args.check)
-    text = path.read_text()
-    updated = text
-    for name, body in generated_blocks().items():
-        updated = replace_block(updated, name, body)
-    if args.check:
-        stale = [n for n in generated_blocks() if read_block(text, n) != read_block(updated, n)]
-        if stale:
-            print(f"{path}: stale: {', '.join(stale)}; run python -m ringray.cli.reference "
-                  f"--write {path}", file=sys.stderr)
-            return 1
-        return 0
-    if updated != text:
-        path.write_text(updated)
-    return 0
+    problems = sync_pages(args.root, write=args.write)
+    for line in problems:
+        print(line, file=sys.stderr)
+    if problems and args.check:
+        print("run python -m ringray.cli.reference --write", file=sys.stderr)
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@
 - :mod:`~ringray.spec.schema`: :class:`JobSpec`, the sections put together.
 - :mod:`~ringray.spec.load`: YAML, ``--set`` overrides, this machine's paths.
 - :mod:`~ringray.spec.errors`: the strict YAML reader and one-line error messages.
-- :mod:`~ringray.spec.reference`: the README's job file and CLI references, generated.
+- :mod:`~ringray.spec.reference`: the job file reference (``docs/job-file.md``), generated.
 
 Only the command line and the entry points (``ringray``, ``python -m ringray.train``) import
 this package; the trainer, the model and the attention code take plain options.
