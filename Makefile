@@ -19,10 +19,9 @@ setup: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/ringray train jobs/quickstart.yaml
 
-## The context-extension demonstration (README, "Extending a pretrained model's context"):
-## train at 256 tokens, then extend to 1024 and to 8192 over a ring of 2, scoring each export
-## before and each stage after; plots runs/extend-{2-mid,3-long}/report/passkey.png. Starts
-## over each time; about 15 minutes.
+## The context-extension demonstration (docs/pretrained.md): train at 256 tokens, then extend
+## to 1024 and to 8192 over a ring of 2, scoring each export before and each stage after;
+## plots runs/extend-{2-mid,3-long}/report/passkey.png. Starts over each time; about 15 minutes.
 extend-demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) examples/context_extension.py --fresh
 

@@ -3,7 +3,7 @@
     python examples/context_extension.py          # the whole demonstration (make extend-demo)
     python examples/context_extension.py --fresh  # delete the three run directories first
 
-The stages (README: "Extending a pretrained model's context: a CPU demonstration"):
+The stages (docs/pretrained.md: "Extending a pretrained model's context: a CPU demonstration"):
 
 1. ``ringray train jobs/extend-1-short.yaml``: the debug model learns passkey retrieval at a
    short context (256 tokens), with the loss on the tokens only retrieval predicts; then
