@@ -354,6 +354,7 @@ def test_local_paths_are_checked_at_load_time(tmp_path: Path) -> None:
         load_job_spec(path)
     assert load_job_spec(path, check_paths=False).data.path == str(tmp_path / "corpus")
     (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("a document")
     assert load_job_spec(path).data.source == "files"
     (tmp_path / "file").write_text("x")
     with pytest.raises(JobSpecError, match=r"checkpoint.path: '.*file/ckpt' cannot be created: "

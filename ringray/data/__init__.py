@@ -40,6 +40,7 @@ from ringray.data.sources import (
     PasskeySource,
     StdlibSource,
     TokenSource,
+    check_data_path,
     make_source,
 )
 from ringray.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
@@ -65,6 +66,7 @@ __all__ = [
     "StdlibSource",
     "TokenSource",
     "Tokenizer",
+    "check_data_path",
     "evaluate_passkey",
     "make_passkey_sample",
     "make_source",

@@ -20,7 +20,7 @@ import json
 import os
 import random
 import sysconfig
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal, Protocol
@@ -115,6 +115,8 @@ class _FileDocument:
     line_offset: int = -1
     """Byte offset of the JSONL line in its file; -1 for a whole-file document."""
     line_bytes: int = 0
+    line_number: int = 0
+    """1-based number of the JSONL line, for messages; 0 for a whole-file document."""
 
     def read(self) -> bytes:
         if self.line_offset < 0:
@@ -122,7 +124,7 @@ class _FileDocument:
         else:
             with self.path.open("rb") as f:
                 f.seek(self.line_offset)
-                data = _jsonl_text(f.read(self.line_bytes), self.path, line_number=None)
+                data = _jsonl_text(f.read(self.line_bytes), f"{self.path}:{self.line_number}")
         if len(data) != self.length:
             raise ValueError(
                 f"{self.path}: document is now {len(data)} bytes, was {self.length} when the "
@@ -131,13 +133,20 @@ class _FileDocument:
         return data
 
 
-def _jsonl_text(line: bytes, path: Path, line_number: int | None) -> bytes:
-    """UTF-8 bytes of the ``"text"`` field of one JSONL line; ValueError naming the line."""
-    where = f"{path}:{line_number}" if line_number is not None else str(path)
+def _jsonl_text(line: bytes, where: str) -> bytes:
+    """UTF-8 bytes of the ``"text"`` field of one JSONL line; a one-line ValueError naming
+    ``where`` (``file:line``) for anything else, so a bad line fails the job once instead of
+    being retried as a worker error."""
     try:
-        record = json.loads(line)
+        record = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{where}: not valid UTF-8 (byte {line[error.start]:#04x} at column "
+                         f"{error.start + 1})") from None
     except json.JSONDecodeError as error:
-        raise ValueError(f"{where}: not valid JSON ({error.msg})") from error
+        raise ValueError(f"{where}: not valid JSON ({error.msg} at column "
+                         f"{error.colno})") from None
+    except RecursionError:
+        raise ValueError(f"{where}: JSON nested too deeply to parse") from None
     text = record.get("text") if isinstance(record, dict) else None
     if not isinstance(text, str):
         raise ValueError(f'{where}: expected a JSON object with a string "text" field')
@@ -145,17 +154,53 @@ def _jsonl_text(line: bytes, path: Path, line_number: int | None) -> bytes:
     return text.encode("utf-8", errors="replace")
 
 
-def _scan_jsonl(path: Path) -> list[_FileDocument]:
-    documents = []
+def _scan_jsonl(path: Path) -> Iterator[_FileDocument]:
+    """The documents of a JSONL file, one per line with non-empty text, in order."""
     offset = 0
     with path.open("rb") as f:
         for line_number, line in enumerate(f, start=1):
             if line.strip():
-                text = _jsonl_text(line, path, line_number)
+                text = _jsonl_text(line, f"{path}:{line_number}")
                 if text:
-                    documents.append(_FileDocument(path, len(text), offset, len(line)))
+                    yield _FileDocument(path, len(text), offset, len(line), line_number)
             offset += len(line)
-    return documents
+
+
+def _data_files(root: Path) -> list[Path]:
+    """The ``.txt`` and ``.jsonl`` files under ``root``, recursively, by relative path."""
+    return sorted(
+        (p for p in root.rglob("*") if p.suffix in DirectorySource.SUFFIXES and p.is_file()),
+        key=lambda p: p.relative_to(root).as_posix(),
+    )
+
+
+def _file_documents(root: Path) -> Iterator[_FileDocument]:
+    """Every document under ``root`` in source order, read lazily: a non-empty ``.txt``
+    file whole, and each JSONL line with non-empty text."""
+    for file in _data_files(root):
+        if file.suffix == ".jsonl":
+            yield from _scan_jsonl(file)
+        elif (size := file.stat().st_size) > 0:
+            yield _FileDocument(file, size)
+
+
+def _no_documents(root: Path) -> ValueError:
+    return ValueError(
+        f"path: no documents in {str(root)!r} (looked for non-empty .txt files and .jsonl "
+        'lines with a "text" field, recursively)'
+    )
+
+
+def check_data_path(path: str | os.PathLike[str]) -> None:
+    """Raise ``ValueError`` (one line) unless ``path`` is a directory holding at least one
+    document for :class:`DirectorySource`. Reads only as far as the first document, so it is
+    cheap enough to run before a job starts; the workers' :class:`DirectorySource` still
+    validates every JSONL line."""
+    root = Path(path)
+    if not root.is_dir():
+        raise ValueError(f"path: {str(root)!r} is not a directory")
+    if next(_file_documents(root), None) is None:
+        raise _no_documents(root)
 
 
 class _TextDocuments:
@@ -207,22 +252,10 @@ class DirectorySource(_OnDiskSource):
         self.root = Path(path)
         if not self.root.is_dir():
             raise ValueError(f"path: {str(self.root)!r} is not a directory")
-        files = sorted(
-            (p for p in self.root.rglob("*") if p.suffix in self.SUFFIXES and p.is_file()),
-            key=lambda p: p.relative_to(self.root).as_posix(),
-        )
-        documents: list[_FileDocument] = []
-        for file in files:
-            if file.suffix == ".jsonl":
-                documents.extend(_scan_jsonl(file))
-            elif (size := file.stat().st_size) > 0:
-                documents.append(_FileDocument(file, size))
+        documents = tuple(_file_documents(self.root))
         if not documents:
-            raise ValueError(
-                f"path: no documents in {str(self.root)!r} (looked for non-empty .txt files "
-                'and .jsonl lines with a "text" field, recursively)'
-            )
-        self._documents = tuple(documents)
+            raise _no_documents(self.root)
+        self._documents = documents
         self._lengths = tuple(d.length for d in documents)
 
     def describe(self) -> str:

@@ -78,9 +78,9 @@ def _check_output_dir(field: str, location: str) -> None:
 
 
 def check_local_paths(spec: JobSpec) -> None:
-    """Raise :class:`JobSpecError` unless this machine has ``data.path`` (a directory) and can
-    create the run and local checkpoint directories. Relative paths are from the current
-    directory, as the trainer reads them."""
+    """Raise :class:`JobSpecError` unless this machine has ``data.path`` (a directory holding
+    at least one document) and can create the run and local checkpoint directories. Relative
+    paths are from the current directory, as the trainer reads them."""
     if spec.data.source == "files" and spec.data.path:
         path = Path(spec.data.path)
         if not path.exists():
@@ -89,6 +89,7 @@ def check_local_paths(spec: JobSpec) -> None:
         if not path.is_dir():
             raise JobSpecError(f"data.path: {spec.data.path!r} is a file; give the directory "
                                f"that holds the .txt/.jsonl files")
+        check_data(spec.data.path)
     options = spec.train_options()
     if options.pretrained is not None:
         check_pretrained(options)
@@ -96,6 +97,19 @@ def check_local_paths(spec: JobSpec) -> None:
     if "://" not in options.checkpoint_location:
         field = "checkpoint.path" if spec.checkpoint.path else "run_dir"
         _check_output_dir(field, options.checkpoint_location)
+
+
+def check_data(path: str) -> None:
+    """Raise :class:`JobSpecError` (one line) unless the directory ``path`` holds a document
+    (reading only up to the first), so an empty corpus is found before any worker starts."""
+    from ringray.data import check_data_path
+
+    try:
+        check_data_path(path)
+    except ValueError as exc:  # "path: ..." or "FILE:LINE: ..." (a bad JSONL line)
+        raise JobSpecError(f"data.path: {str(exc).removeprefix('path: ')}") from None
+    except OSError as exc:  # an unreadable file or directory under it
+        raise JobSpecError(f"data.path: {exc}") from None
 
 
 def check_pretrained(options: TrainOptions) -> None:
