@@ -1,4 +1,4 @@
-"""The controller's state machine, one transition at a time, with a fake ring (no Ray).
+"""The controller's state machine, one transition at a time, with a fake worker group (no Ray).
 
 For every state and every event a job meets (a stop, a worker's death, a node's death, a hang,
 a drain notice, a failed checkpoint), the next state and what is recorded. Also the paths the
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from train_cases import tiny_options
 
-from ringray.cluster.errors import JobError, RingFailure, StopRequested
+from ringray.cluster.errors import JobError, StopRequested, WorkerGroupFailure
 from ringray.cluster.job_options import ClusterOptions, JobOptions
-from ringray.cluster.machine import Built, JobMachine
+from ringray.cluster.machine import JobMachine
 from ringray.cluster.placement import NodeSnapshot, PlacementError, plan_placement
 from ringray.cluster.policy import Drain, Failure, FailureKind
 from ringray.cluster.record import JobRecord
@@ -41,6 +41,7 @@ from ringray.cluster.states import (
 from ringray.metrics import MetricsOptions
 from ringray.train import CheckpointRef, StepStats
 from ringray.train.checkpoint import RunPlan
+from ringray.train.session import Restored, Saved
 
 EVENTS = ("stop", "worker_death", "node_death", "hang", "drain", "checkpoint_failure")
 
@@ -61,7 +62,7 @@ def _plan(dp: int = 1, cp: int = 2):
 
 
 @dataclass
-class FakeRing:
+class FakeWorkerGroup:
     """Does what the machine asks, instantly; ``fail[name]`` makes the next call raise."""
 
     fail: dict[str, BaseException] = field(default_factory=dict)
@@ -71,6 +72,7 @@ class FakeRing:
     step_count: int = 0
     saved: list[CheckpointRef] = field(default_factory=list)
     calls: list[str] = field(default_factory=list)
+    planned_for: list[tuple[int, ...]] = field(default_factory=list)  # dp choices per plan
     stop_during: str | None = None  # raise StopRequested from this call (an interrupted wait)
 
     def _call(self, name: str) -> None:
@@ -82,9 +84,11 @@ class FakeRing:
 
     def plan(self, dp_choices, *, avoid):
         self._call("plan")
-        if not self.capacity:
+        self.planned_for.append(tuple(dp_choices))
+        fitting = [dp for dp in dp_choices if dp <= self.feasible]
+        if not self.capacity or not fitting:
             raise PlacementError("no node has 2 free slots")
-        return _plan(dp=dp_choices[0] if self.feasible >= dp_choices[0] else self.feasible)
+        return _plan(dp=fitting[0])
 
     def ask_for_full_size(self) -> None:
         self.calls.append("ask")
@@ -100,13 +104,14 @@ class FakeRing:
         self._call("build")
         restored = run.restore[0] if run.restore else None
         self.step_count = restored.step if restored else 0
-        return Built(step=self.step_count, restored=restored)
+        return Restored(step=self.step_count, checkpoint=restored)
 
     def step(self, *, move_now):
         self._call("step")
         if self.drain is not None and move_now(self.drain) is not None:
             self.drain = None
-            raise RingFailure(Failure(kind=FailureKind.PREEMPTED, detail="draining; no time"))
+            raise WorkerGroupFailure(Failure(kind=FailureKind.PREEMPTED,
+                                             detail="draining; no time"))
         self.step_count += 1
         return _stats(self.step_count)
 
@@ -115,7 +120,7 @@ class FakeRing:
         ref = CheckpointRef(step=self.step_count, location=f"mem://ck/{self.step_count}",
                             lineage="run-1")
         self.saved.append(ref)
-        return ref, ()
+        return Saved(checkpoint=ref)
 
     def evaluate(self):
         self._call("evaluate")
@@ -149,7 +154,7 @@ class Clock:
 @dataclass
 class Harness:
     machine: JobMachine
-    ring: FakeRing
+    workers: FakeWorkerGroup
     record: JobRecord
     stop: list[bool]
     clock: Clock
@@ -173,11 +178,11 @@ def _harness(tmp_path: Path, *, steps: int = 6, interval: int = 2, dp: int = 1,
                      cluster=ClusterOptions(dp_min=dp_min, poll_seconds=0.5,
                                             capacity_wait_seconds=5, max_failures=2, **cluster),
                      metrics=MetricsOptions(port=None))
-    ring, clock, stop = FakeRing(), Clock(), [False]
+    workers, clock, stop = FakeWorkerGroup(), Clock(), [False]
     record = JobRecord(job, tmp_path / "run", metrics=None)
-    machine = JobMachine(job, ring, record, stop_requested=lambda: stop[0], clock=clock,
+    machine = JobMachine(job, workers, record, stop_requested=lambda: stop[0], clock=clock,
                          wall_clock=clock, sleep=clock.sleep)
-    return Harness(machine, ring, record, stop, clock, tmp_path / "run")
+    return Harness(machine, workers, record, stop, clock, tmp_path / "run")
 
 
 def _until(h: Harness, state, kind: type, limit: int = 200):
@@ -208,29 +213,29 @@ def test_a_job_runs_checkpoints_evaluates_and_finishes(tmp_path: Path) -> None:
     assert isinstance(state, Finished)
     assert seen == ["Placing", "Starting", "Running", "Running", "Checkpointing", "Running",
                     "Running", "Checkpointing", "Evaluating"]
-    assert [r.step for r in h.ring.saved] == [2, 4]
+    assert [r.step for r in h.workers.saved] == [2, 4]
     steps = [json.loads(x)["step"] for x in (h.run_dir / "steps.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
 
 
 # ------------------------------------------------------------------ every state × every event
 def _event_in(h: Harness, event: str, *, call: str) -> None:
-    """Arrange ``event`` to happen at the ring's next ``call``."""
+    """Arrange ``event`` to happen at the worker group's next ``call``."""
     if event == "stop":
         h.stop[0] = True
     elif event == "worker_death":
-        h.ring.fail[call] = RingFailure(Failure(kind=FailureKind.ACTOR_DIED,
+        h.workers.fail[call] = WorkerGroupFailure(Failure(kind=FailureKind.ACTOR_DIED,
                                                 detail="rank 1 died"))
     elif event == "node_death":
-        h.ring.fail[call] = RingFailure(Failure(kind=FailureKind.NODE_DIED, nodes=("node0",),
-                                                detail="node(s) node0 died"))
+        h.workers.fail[call] = WorkerGroupFailure(Failure(
+            kind=FailureKind.NODE_DIED, nodes=("node0",), detail="node(s) node0 died"))
     elif event == "hang":
-        h.ring.fail[call] = RingFailure(Failure(kind=FailureKind.HANG,
+        h.workers.fail[call] = WorkerGroupFailure(Failure(kind=FailureKind.HANG,
                                                 detail="no answer from rank(s) 1"))
     elif event == "drain":
-        h.ring.drain = Drain(nodes=("node0",), deadline_unix=h.clock() + 600)
+        h.workers.drain = Drain(nodes=("node0",), deadline_unix=h.clock() + 600)
     elif event == "checkpoint_failure":
-        h.ring.fail["checkpoint"] = RingFailure(Failure(kind=FailureKind.WORKER_ERROR,
+        h.workers.fail["checkpoint"] = WorkerGroupFailure(Failure(kind=FailureKind.WORKER_ERROR,
                                                         detail="rank 0: connection reset"))
 
 
@@ -264,7 +269,7 @@ EXPECTED = {
     ("evaluating", "worker_death"): (Recovering, None),
     ("evaluating", "node_death"): (Recovering, None),
     ("evaluating", "hang"): (Recovering, None),
-    ("evaluating", "drain"): (Finished, None),  # the ring is done; nothing to move
+    ("evaluating", "drain"): (Finished, None),  # training is done; nothing to move
     ("evaluating", "checkpoint_failure"): (Finished, None),
     ("recovering", "stop"): (Stopped, "stopped while recovering"),
     ("recovering", "worker_death"): (Placing, "actor_died"),
@@ -329,7 +334,7 @@ def test_every_state_meets_every_event(tmp_path: Path, state_name: str, event: s
     if recorded is not None:
         assert any(recorded in message for message in h.events()), h.events()
     if isinstance(nxt, Stopped):
-        assert h.ring.calls[-1] == "teardown"
+        assert h.workers.calls[-1] == "teardown"
 
 
 def test_a_stop_while_running_checkpoints_then_stops(tmp_path: Path) -> None:
@@ -339,7 +344,7 @@ def test_a_stop_while_running_checkpoints_then_stops(tmp_path: Path) -> None:
     state = h.machine.step(state)
     assert state == Checkpointing(then=StopAfter())
     assert isinstance(h.machine.step(state), Stopped)
-    assert [r.step for r in h.ring.saved] == [1]
+    assert [r.step for r in h.workers.saved] == [1]
 
 
 def test_a_stop_right_after_a_checkpoint_does_not_save_the_step_again(tmp_path: Path) -> None:
@@ -349,7 +354,7 @@ def test_a_stop_right_after_a_checkpoint_does_not_save_the_step_again(tmp_path: 
     h.stop[0] = True
     stopped = h.machine.step(state)
     assert isinstance(stopped, Stopped) and "its checkpoint is committed" in stopped.reason
-    assert [r.step for r in h.ring.saved] == [2]
+    assert [r.step for r in h.workers.saved] == [2]
 
 
 def test_a_stop_during_a_wait_ends_the_start_and_the_evaluation_at_once(
@@ -358,19 +363,19 @@ def test_a_stop_during_a_wait_ends_the_start_and_the_evaluation_at_once(
     """The ring's waits raise StopRequested when the job is stopping (e.g. a long passkey
     evaluation): the machine stops there, saying so."""
     h = _harness(tmp_path, steps=2, interval=2, evaluate=True)
-    h.ring.stop_during = "evaluate"
+    h.workers.stop_during = "evaluate"
     state = _until(h, Placing(), Evaluating)
     h.stop[0] = False  # the stop arrives while the evaluation runs
     stopped = h.machine.step(state)
     assert isinstance(stopped, Stopped) and "passkey evaluation" in stopped.reason
     h2 = _harness(tmp_path / "b", steps=2)
-    h2.ring.stop_during = "build"
+    h2.workers.stop_during = "build"
     assert isinstance(h2.machine.step(h2.machine.step(Placing())), Stopped)
 
 
 def test_a_stop_while_waiting_for_capacity_stops_within_a_poll(tmp_path: Path) -> None:
     h = _harness(tmp_path)
-    h.ring.capacity = False
+    h.workers.capacity = False
     state = h.machine.step(Placing())
     assert isinstance(state, Placing) and state.waiting_since == 1000.0
     assert "waiting for capacity: no node has 2 free slots" in h.events()
@@ -381,7 +386,7 @@ def test_a_stop_while_waiting_for_capacity_stops_within_a_poll(tmp_path: Path) -
 
 def test_capacity_that_never_comes_fails_after_the_wait(tmp_path: Path) -> None:
     h = _harness(tmp_path)
-    h.ring.capacity = False
+    h.workers.capacity = False
     state = _until(h, Placing(), Failed)
     assert "cluster.capacity_wait_seconds" in state.error
 
@@ -390,13 +395,13 @@ def test_capacity_that_never_comes_fails_after_the_wait(tmp_path: Path) -> None:
 def test_a_drain_with_time_checkpoints_then_moves_without_using_a_fault(tmp_path: Path) -> None:
     h = _harness(tmp_path, steps=10, interval=4)
     state = _running(h, after_steps=1)
-    h.ring.drain = Drain(nodes=("node0",), deadline_unix=h.clock() + 600)
+    h.workers.drain = Drain(nodes=("node0",), deadline_unix=h.clock() + 600)
     state = h.machine.step(state)
     assert isinstance(state, Checkpointing) and isinstance(state.then, MoveOff)
     state = h.machine.step(state)
     assert isinstance(state, Recovering) and state.failure.kind is FailureKind.PREEMPTED
     assert isinstance(h.machine.step(state), Placing)
-    assert h.machine.failures_used == 0 and [r.step for r in h.ring.saved] == [1]
+    assert h.machine.failures_used == 0 and [r.step for r in h.workers.saved] == [1]
 
 
 def test_a_drain_whose_checkpoint_fails_moves_from_the_previous_one_without_a_fault(
@@ -405,13 +410,13 @@ def test_a_drain_whose_checkpoint_fails_moves_from_the_previous_one_without_a_fa
     """The old controller left a flag behind here and later failed the job on an assertion;
     now the failed checkpoint is recorded and the preemption's move goes on, uncounted, even
     when the failure is one a retry could not fix (the location unwritable)."""
-    for error in (RingFailure(Failure(kind=FailureKind.WORKER_ERROR, detail="rank 0: EIO")),
+    for error in (WorkerGroupFailure(Failure(kind=FailureKind.WORKER_ERROR, detail="rank 0: EIO")),
                   JobError("checkpoint of step 1 failed: EACCES (Permission denied)")):
         h = _harness(tmp_path / type(error).__name__, steps=10, interval=4)
         state = _running(h, after_steps=1)
-        h.ring.drain = Drain(nodes=("node0",), deadline_unix=h.clock() + 600)
+        h.workers.drain = Drain(nodes=("node0",), deadline_unix=h.clock() + 600)
         state = h.machine.step(state)
-        h.ring.fail["checkpoint"] = error
+        h.workers.fail["checkpoint"] = error
         state = h.machine.step(state)
         assert isinstance(state, Recovering)
         assert state.failure.kind is FailureKind.PREEMPTED
@@ -430,7 +435,7 @@ def test_a_drain_decision_uses_the_time_left_now(tmp_path: Path) -> None:
     (long steps) moves at once instead of checkpointing."""
     h = _harness(tmp_path, steps=10, interval=4)
     state = _running(h, after_steps=1)
-    h.ring.drain = Drain(nodes=("node0",), deadline_unix=h.clock() + 600)
+    h.workers.drain = Drain(nodes=("node0",), deadline_unix=h.clock() + 600)
     h.clock.now += 599.9
     state = h.machine.step(state)
     assert isinstance(state, Recovering) and "before the drain deadline" in state.failure.detail
@@ -444,9 +449,9 @@ def test_a_drain_when_the_step_is_already_saved_moves_without_saving_again(
     h = _harness(tmp_path, steps=10, interval=2)
     state = _until(h, Placing(), Checkpointing)
     state = h.machine.step(state)  # step 2 committed
-    h.ring.drain = Drain(nodes=("node0",), deadline_unix=h.clock() + 600)
+    h.workers.drain = Drain(nodes=("node0",), deadline_unix=h.clock() + 600)
     state = h.machine.step(state)
-    assert isinstance(state, Recovering) and [r.step for r in h.ring.saved] == [2]
+    assert isinstance(state, Recovering) and [r.step for r in h.workers.saved] == [2]
     assert any("already checkpointed; moving" in m for m in h.events())
 
 
@@ -454,19 +459,19 @@ def test_a_drain_when_the_step_is_already_saved_moves_without_saving_again(
 def test_a_deterministic_checkpoint_error_fails_the_job_without_retries(tmp_path: Path) -> None:
     h = _harness(tmp_path, steps=10, interval=2)
     state = _until(h, Placing(), Checkpointing)
-    h.ring.fail["checkpoint"] = JobError(
+    h.workers.fail["checkpoint"] = JobError(
         "checkpoint of step 2 at /ck failed: ENOSPC (No space left on device)")
     state = h.machine.step(state)
     assert isinstance(state, Failed)
     assert "ENOSPC" in state.error and "will not succeed on a retry" in state.error
-    assert h.ring.calls.count("checkpoint") == 1 and h.ring.calls[-1] == "teardown"
+    assert h.workers.calls.count("checkpoint") == 1 and h.workers.calls[-1] == "teardown"
 
 
 def test_faults_are_recovered_until_the_budget_is_used(tmp_path: Path) -> None:
     h = _harness(tmp_path, steps=50, interval=2)
     state = _running(h)
     for n in range(3):
-        h.ring.fail["step"] = RingFailure(Failure(kind=FailureKind.ACTOR_DIED,
+        h.workers.fail["step"] = WorkerGroupFailure(Failure(kind=FailureKind.ACTOR_DIED,
                                                   detail=f"rank 1 died ({n})"))
         state = _until(h, state, Recovering)
         state = h.machine.step(state)
@@ -485,8 +490,8 @@ def test_a_recovery_restores_the_runs_newest_checkpoint_and_records_what_it_cost
     state = _running(h)
     while h.machine.step_count < 3:
         state = h.machine.step(state)
-    h.ring.fail["step"] = RingFailure(Failure(kind=FailureKind.NODE_DIED, nodes=("node0",),
-                                              detail="node0 died"))
+    h.workers.fail["step"] = WorkerGroupFailure(Failure(kind=FailureKind.NODE_DIED,
+                                                        nodes=("node0",), detail="node0 died"))
     state = _until(h, h.machine.step(state), Running)
     assert h.machine.step_count == 2 and h.machine.avoid == frozenset({"node0"})
     state = h.machine.step(state)
@@ -499,7 +504,7 @@ def test_a_recovery_restores_the_runs_newest_checkpoint_and_records_what_it_cost
 
 def test_a_worker_value_error_fails_the_job_with_its_message(tmp_path: Path) -> None:
     h = _harness(tmp_path)
-    h.ring.fail["build"] = JobError("rank 0: model: checkpoint /ck was trained with a "
+    h.workers.fail["build"] = JobError("rank 0: model: checkpoint /ck was trained with a "
                                     "different model (n_layers: 2 in the checkpoint, 3 now)")
     state = h.machine.step(h.machine.step(Placing()))
     assert isinstance(state, Failed) and "n_layers: 2 in the checkpoint, 3 now" in state.error
@@ -507,14 +512,14 @@ def test_a_worker_value_error_fails_the_job_with_its_message(tmp_path: Path) -> 
 
 def test_refused_checkpoints_are_recorded(tmp_path: Path) -> None:
     h = _harness(tmp_path)
-    original = h.ring.build
+    original = h.workers.build
 
     def build(options, run):
         built = original(options, run)
-        return Built(step=built.step, restored=built.restored,
-                     refused=("checkpoint /ck/step_4: .metadata is missing",))
+        return Restored(step=built.step, checkpoint=built.checkpoint,
+                        refused=("checkpoint /ck/step_4: .metadata is missing",))
 
-    h.ring.build = build
+    h.workers.build = build
     _running(h)
     assert ("refused checkpoint /ck/step_4: .metadata is missing; falling back to the "
             "previous checkpoint") in h.events()
@@ -522,18 +527,35 @@ def test_refused_checkpoints_are_recorded(tmp_path: Path) -> None:
 
 def test_growing_happens_at_a_checkpoint_boundary_after_the_hysteresis(tmp_path: Path) -> None:
     h = _harness(tmp_path, steps=40, interval=2, dp=2, dp_min=1, grow_after_seconds=5)
-    h.ring.feasible = 1
+    h.workers.feasible = 1
     state = _running(h)
     assert h.machine.plan.dp == 1
-    h.ring.feasible = 2
+    h.workers.feasible = 2
     for _ in range(12):  # steps pass, polls see the capacity, 0.5 s of clock per poll
         h.clock.now += 1
         state = h.machine.step(state)
         if isinstance(state, Resizing):
             break
     assert state == Resizing(to_dp=2)
-    assert isinstance(h.machine.step(state), Placing)
+    state = h.machine.step(state)
+    assert state == Placing(dp=2)
+    state = _until(h, state, Running)
+    assert h.workers.planned_for[-1] == (2,)  # placed for exactly the degree decided on
+    assert h.machine.plan.dp == 2 and h.record.status().dp == 2
     assert h.record.status().resizes == 1
+
+
+def test_a_grow_whose_capacity_vanished_places_the_largest_dp_that_fits(tmp_path: Path) -> None:
+    """A resize to dp=2 whose capacity is gone by the time the group is placed again: the job
+    says so and runs at the largest dp that still fits, rather than waiting for dp=2."""
+    h = _harness(tmp_path, steps=40, interval=2, dp=2, dp_min=1, grow_after_seconds=5)
+    h.workers.feasible = 1
+    _running(h)
+    state = _until(h, Placing(dp=2), Running)
+    assert isinstance(state, Running)
+    assert h.workers.planned_for[-2:] == [(2,), (2, 1)]
+    assert h.machine.plan.dp == 1
+    assert any(e.startswith("cannot place dp=2 any more") for e in h.events())
 
 
 def test_errors_keep_their_traceback_in_the_events_file(tmp_path: Path) -> None:
@@ -547,12 +569,18 @@ def test_errors_keep_their_traceback_in_the_events_file(tmp_path: Path) -> None:
     assert "OSError: [Errno 5] Input/output error" in entry["traceback"]
 
 
-def test_the_states_carry_their_data(tmp_path: Path) -> None:
-    """What follows a checkpoint, the failure being recovered and the capacity wait are in
-    the states, so a transition never depends on a leftover flag."""
-    failure = Failure(kind=FailureKind.HANG, detail="x")
-    assert Checkpointing(then=MoveOff(failure)).then.failure is failure
-    assert Recovering(failure=failure).failure is failure
-    assert Placing(waiting_since=3.0).waiting_since == 3.0
-    assert Checkpointing(then=Evaluate()) != Checkpointing(then=Continue())
-    assert Starting(plan=_plan()).plan.world_size == 2
+def test_what_follows_a_checkpoint_is_the_states_own(tmp_path: Path) -> None:
+    """The same Checkpointing handler leads where its ``then`` says, so a transition never
+    depends on a leftover flag: Continue → Running, Evaluate → Evaluating, StopAfter →
+    Stopped, MoveOff(failure) → Recovering(that failure)."""
+    failure = Failure(kind=FailureKind.PREEMPTED, detail="node draining")
+    expected = {Continue(): Running(), Evaluate(): Evaluating(), MoveOff(failure):
+                Recovering(failure=failure)}
+    for then, next_state in expected.items():
+        h = _harness(tmp_path / type(then).__name__)
+        _running(h, after_steps=1)
+        assert h.machine.step(Checkpointing(then=then)) == next_state
+    h = _harness(tmp_path / "stop")
+    _running(h, after_steps=1)
+    state = h.machine.step(Checkpointing(then=StopAfter()))
+    assert isinstance(state, Stopped) and "checkpointed" in state.reason

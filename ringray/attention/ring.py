@@ -37,6 +37,7 @@ forward's last K/V block alive until the backward (one block at the kv-head coun
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -186,6 +187,23 @@ def _finish_step(
         stats.add(phase, step, timer, pending.bytes_sent if pending is not None else 0)
 
 
+@dataclass(frozen=True, kw_only=True)
+class RingCall:
+    """What the backward of a ring-attention call needs from its forward besides the saved
+    tensors: the ring, the mask and the kernel that ran it."""
+
+    comm: RingComm
+    layout: Layout
+    causal: bool
+    scale: float
+    kernel: BlockAttentionBackend
+    stats: RingStats | None
+    kv_dtype: torch.dtype
+    positions: tuple[torch.Tensor, ...] | None  # per rank, on the device (fused kernels)
+    doc_ids: tuple[torch.Tensor | None, ...] | None
+    documents: Documents | None
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, comm: RingComm, layout: Layout, causal: bool, scale: float,
@@ -228,16 +246,19 @@ class _RingAttention(torch.autograd.Function):
 
         result = out.to(q.dtype).transpose(1, 2).contiguous()
         ctx.save_for_backward(q, result, lse, kv_block)
-        ctx.ring = (comm, layout, causal, scale, kernel, stats, k.dtype, positions, doc_ids,
-                    documents)
+        ctx.call = RingCall(comm=comm, layout=layout, causal=causal, scale=scale, kernel=kernel,
+                            stats=stats, kv_dtype=k.dtype, positions=positions,
+                            doc_ids=doc_ids, documents=documents)
         ctx.mark_non_differentiable(lse)
         return result, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, out, lse, kv_block = ctx.saved_tensors
-        (comm, layout, causal, scale, kernel, stats, kv_dtype, positions, doc_ids,
-         documents) = ctx.ring
+        call: RingCall = ctx.call
+        comm, layout, causal, scale = call.comm, call.layout, call.causal, call.scale
+        kernel, stats, kv_dtype, documents = call.kernel, call.stats, call.kv_dtype, call.documents
+        positions, doc_ids = call.positions, call.doc_ids
         rank, world = comm.rank, comm.world_size
         plan = _plan(layout, rank, causal, documents)
         acc = accumulation_dtype(q.dtype)

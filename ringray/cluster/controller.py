@@ -1,10 +1,12 @@
-"""The job controller: one Ray actor per job that places, starts, drives and heals its rings.
+"""The job controller: one Ray actor per job that places, starts, drives and heals its workers.
 
     controller, _ = start_controller(job_options)   # see ringray.cluster.driver
     controller.status.remote()       # a JobStatus, any time
     controller.stop.remote()         # checkpoint where possible, then stop (in any state)
 
-The actor is a thin shell. It holds the run directory's lock (one run per directory), serves
+The actor is a thin shell. It writes the run directory (through the record's
+:class:`~ringray.train.run_dir.RunDirectory`: the lock, kept fresh by its heartbeat for the
+job's whole life, ``steps.jsonl``, ``passkey.json``), serves
 the job's metrics, and runs the state machine (:mod:`ringray.cluster.machine`) on a thread of
 its own, so the job goes on without its caller: the actor is detached and named after the
 job, and a new ``ringray train`` reattaches. The machine's states are values
@@ -15,7 +17,8 @@ job, and a new ``ringray train`` reattaches. The machine's states are values
        │          ▼          ▼              ▼
        └────── Recovering(failure) ◄────────┘        (also Resizing(to_dp); Failed; Stopped)
 
-What it does to the workers goes through :class:`~ringray.cluster.ray_ring.RayRing`, what it
+What it does to the workers goes through :class:`~ringray.cluster.worker_group.RayWorkerGroup`
+(each worker holds a :class:`~ringray.train.session.TrainingSession`), what it
 records through :class:`~ringray.cluster.record.JobRecord` (``events.jsonl`` keeps every
 error's traceback).
 """
@@ -27,12 +30,12 @@ from pathlib import Path
 
 from ringray.cluster.job_options import JobOptions
 from ringray.cluster.machine import JobMachine
-from ringray.cluster.ray_ring import RayRing, request_resources
 from ringray.cluster.record import JobRecord
 from ringray.cluster.states import Failed, Placing, State
 from ringray.cluster.status import JobState, JobStatus
+from ringray.cluster.worker_group import RayWorkerGroup, request_resources
 from ringray.metrics.exporter import JobMetrics
-from ringray.train.run_lock import RunDirInUse, RunLock
+from ringray.train.run_lock import RunDirInUse
 
 
 class JobController:
@@ -45,9 +48,9 @@ class JobController:
         self._start_lock = threading.Lock()
         self.record = JobRecord(job, Path(job.train.run_dir), metrics=JobMetrics(job.name))
         self.record.metrics_url = self._serve_metrics()
-        self.lock = RunLock(job.train.run_dir, job=job.name)
-        self.ring = RayRing(job, self.record, should_stop=self._stop_requested.is_set)
-        self.machine = JobMachine(job, self.ring, self.record,
+        self.workers = RayWorkerGroup(job, self.record,
+                                      should_stop=self._stop_requested.is_set)
+        self.machine = JobMachine(job, self.workers, self.record,
                                   stop_requested=self._stop_requested.is_set)
 
     def _serve_metrics(self) -> str | None:
@@ -91,7 +94,7 @@ class JobController:
     # ----------------------------------------------------------------- the machine
     def _main(self) -> None:
         try:
-            note = self.lock.acquire()
+            note = self.record.run_dir.open()
         except RunDirInUse as exc:
             self.record.state(JobState.FAILED, error=str(exc))
             self.record.event(str(exc))
@@ -102,21 +105,20 @@ class JobController:
         try:
             while not state.terminal:
                 self.record.state(state.name)
-                self.lock.refresh()
                 state = self.machine.step(state)
         except Exception as exc:  # a controller bug: report it rather than leave a job hanging
             error = f"controller error: {type(exc).__name__}: {exc}"
             self.record.event(error, exc=exc)
             state = Failed(error=error)
             try:
-                self.ring.teardown()
+                self.workers.teardown()
             except Exception as teardown_exc:
                 self.record.event(f"teardown after the controller error failed: "
                                   f"{teardown_exc}", exc=teardown_exc)
         finally:
             if self.job.cluster.request_resources:
                 request_resources([])
-            self.lock.release()
+            self.record.run_dir.close()
         error = state.error if isinstance(state, Failed) else None
         if error:
             self.record.event(error)

@@ -1,6 +1,6 @@
-"""What can go wrong with a job's ring, as the machine sees it (no Ray here).
+"""What can go wrong with a job's worker group, as the machine sees it (no Ray here).
 
-- :class:`RingFailure`: a restart from the last good checkpoint may fix it (a dead worker or
+- :class:`WorkerGroupFailure`: a restart from the last good checkpoint may fix it (a dead worker or
   node, a hang, a preemption, an I/O error); it carries a :class:`~ringray.cluster.policy.Failure`.
 - :class:`JobError`: no restart can fix it (a worker raised ``ValueError``: the job's options,
   its checkpoint location, a full disk, another model's checkpoint).
@@ -14,7 +14,7 @@ from __future__ import annotations
 from ringray.cluster.policy import Failure
 
 
-class RingFailure(Exception):
+class WorkerGroupFailure(Exception):
     """Recover from ``failure``."""
 
     def __init__(self, failure: Failure) -> None:

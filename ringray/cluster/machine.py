@@ -1,12 +1,13 @@
 """The job's state machine: one handler per state, each returning the next state (no Ray here).
 
-    machine = JobMachine(job, ring, record, stop_requested=event.is_set)
+    machine = JobMachine(job, workers, record, stop_requested=event.is_set)
     state = Placing()
     while not state.terminal:
         state = machine.step(state)
 
-Side effects go through two seams. :class:`Ring` does everything to the workers (the Ray
-implementation is :class:`ringray.cluster.ray_ring.RayRing`; the tests use a fake one and step
+Side effects go through two seams. :class:`WorkerGroup` does everything to the job's workers
+(the Ray implementation is :class:`ringray.cluster.worker_group.RayWorkerGroup`, whose actors
+each hold a :class:`~ringray.train.session.TrainingSession`; the tests use a fake one and step
 the machine one transition at a time), and :class:`~ringray.cluster.record.JobRecord` records
 everything (events, steps, metrics, restarts). What to do is decided by the pure policies of
 :mod:`ringray.cluster.policy`.
@@ -23,10 +24,10 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Protocol
 
-from ringray.cluster.errors import JobError, RingFailure, StopRequested
+from ringray.cluster.errors import JobError, StopRequested, WorkerGroupFailure
 from ringray.cluster.job_options import JobOptions
 from ringray.cluster.placement import PlacementError, PlacementPlan
 from ringray.cluster.policy import (
@@ -60,21 +61,14 @@ from ringray.cluster.states import (
     Stopped,
 )
 from ringray.data import PasskeyReport
-from ringray.train import CheckpointRef, StepStats, TrainOptions
+from ringray.train import StepStats, TrainOptions
 from ringray.train.checkpoint import RunPlan
+from ringray.train.session import Restored, Saved, checkpoint_due
 
 
-@dataclass(frozen=True, kw_only=True)
-class Built:
-    """What a (re)start restored."""
-
-    step: int  # the trainers' step after the restore (0: a fresh start)
-    restored: CheckpointRef | None
-    refused: tuple[str, ...] = ()  # why each newer checkpoint was refused (one line each)
-
-
-class Ring(Protocol):
-    """Everything the machine does to the job's workers. Waits raise :class:`RingFailure`,
+class WorkerGroup(Protocol):
+    """Everything the machine does to the job's workers (every worker's training session, in
+    step). Waits raise :class:`WorkerGroupFailure`,
     :class:`JobError`, or (when ``interruptible``) :class:`StopRequested`."""
 
     def plan(self, dp_choices: tuple[int, ...], *, avoid: frozenset[str]) -> PlacementPlan:
@@ -90,22 +84,23 @@ class Ring(Protocol):
         """The run's lineage and restore candidates: at the first start (``lineage`` None),
         per the job's resume options; later, the newest checkpoints of ``lineage``."""
 
-    def build(self, options: TrainOptions, run: RunPlan) -> Built:
-        """Build the trainers and restore the newest usable candidate."""
+    def build(self, options: TrainOptions, run: RunPlan) -> Restored:
+        """Open every worker's training session and restore the newest usable candidate."""
 
     def step(self, *, move_now: Callable[[Drain], str | None]) -> StepStats:
         """One training step on every rank. A drain seen meanwhile is noted for
         :meth:`take_drain`, or, when ``move_now`` gives a reason, raised at once as a
         preemption."""
 
-    def checkpoint(self) -> tuple[CheckpointRef, tuple[str, ...]]:
-        """Save and commit the current step; the ref and any warnings (pruning)."""
+    def checkpoint(self) -> Saved:
+        """Save and commit the current step (with any warnings from pruning)."""
 
     def evaluate(self) -> PasskeyReport | None:
         """The passkey evaluation (interruptible by a stop)."""
 
     def poll(self) -> None:
-        """Look at the nodes between steps (raises RingFailure for a dead one; notes drains)."""
+        """Look at the nodes between steps (raises WorkerGroupFailure for a dead one; notes
+        drains)."""
 
     def take_drain(self) -> Drain | None:
         """A drain notice seen since the last call (then forgotten), or ``None``."""
@@ -125,7 +120,7 @@ class JobMachine:
     def __init__(
         self,
         job: JobOptions,
-        ring: Ring,
+        workers: WorkerGroup,
         record: JobRecord,
         *,
         stop_requested: Callable[[], bool],
@@ -134,7 +129,7 @@ class JobMachine:
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.job = job
-        self.ring = ring
+        self.workers = workers
         self.record = record
         self.stop_requested = stop_requested
         self.clock, self.wall_clock, self.sleep = clock, wall_clock, sleep
@@ -201,19 +196,26 @@ class JobMachine:
         return Failed(error=error)
 
     def _teardown(self) -> None:
-        self.ring.teardown()
+        self.workers.teardown()
         self.record.torn_down()
 
     # ----------------------------------------------------------------- placing
     def _place(self, state: Placing) -> State:
+        plan = None
+        if state.dp is not None:  # a resize: exactly the degree it decided on, if it still fits
+            try:
+                plan = self.workers.plan((state.dp,), avoid=self.avoid)
+            except PlacementError as exc:
+                self.record.event(f"cannot place dp={state.dp} any more ({exc}); placing the "
+                                  f"largest dp that fits")
         try:
-            plan = self.ring.plan(self._dp_choices(), avoid=self.avoid)
+            plan = plan or self.workers.plan(self._dp_choices(), avoid=self.avoid)
         except PlacementError as exc:
             return self._wait_for_capacity(state, str(exc))
         if plan.dp < self.job.dp_max:
             self.record.event(f"running at dp={plan.dp} of {self.job.dp_max}: the live nodes "
                               f"have room for no more; asking the autoscaler for the full size")
-            self.ring.ask_for_full_size()
+            self.workers.ask_for_full_size()
         self.plan = plan
         self.record.placed(plan)
         return Starting(plan=plan)
@@ -224,42 +226,42 @@ class JobMachine:
         if since is None:
             since = now
             self.record.event(f"waiting for capacity: {why}")
-            self.ring.ask_for_full_size()
+            self.workers.ask_for_full_size()
         limit = self.job.cluster.capacity_wait_seconds
         if now - since > limit:
             return self._fail(f"{why} (waited {limit:.0f} s, cluster.capacity_wait_seconds)")
         self.sleep(self.job.cluster.poll_seconds)
-        return Placing(waiting_since=since)
+        return replace(state, waiting_since=since)
 
     # ----------------------------------------------------------------- starting
     def _start(self, state: Starting) -> State:
         plan = state.plan
         try:
-            self.ring.start(plan)
-            run = self.ring.run_plan(lineage=self.lineage)
+            self.workers.start(plan)
+            run = self.workers.run_plan(lineage=self.lineage)
             if self.lineage is None and run.moved_aside_to:
                 self.record.moved_aside(run.moved_aside_to)
             self.lineage = run.lineage
             options = replace(self.job.train, parallel=replace(
                 self.job.train.parallel, dp=plan.dp, cp=plan.cp))
-            built = self.ring.build(options, run)
+            restored = self.workers.build(options, run)
         except StopRequested:
             return self._stopping(state)
-        except RingFailure as exc:
+        except WorkerGroupFailure as exc:
             return Recovering(failure=exc.failure)
         except JobError as exc:
             return self._fail(str(exc))
-        for why in built.refused:
+        for why in restored.refused:
             self.record.event(f"refused {why}; falling back to the previous checkpoint")
-        self.step_count = built.step
-        self.saved_step = built.restored.step if built.restored else None
+        self.step_count = restored.step
+        self.saved_step = restored.checkpoint.step if restored.checkpoint else None
         self.larger_since = None
-        self.record.started(plan, step=built.step, restored=built.restored)
+        self.record.started(plan, step=restored.step, restored=restored.checkpoint)
         return Running()
 
     # ----------------------------------------------------------------- running
     def _run(self, state: Running) -> State:
-        drain = self.ring.take_drain()
+        drain = self.workers.take_drain()
         if drain is not None:
             return self._on_drain(drain)
         if self.step_count >= self.total_steps:
@@ -271,24 +273,21 @@ class JobMachine:
                 # Steps shorter than a poll finish before a wait looks at the nodes: look
                 # between them, at most once a poll (each look is a GCS query).
                 self._polled_at = self.clock()
-                self.ring.poll()
+                self.workers.poll()
                 self._track_capacity()
-                drain = self.ring.take_drain()
+                drain = self.workers.take_drain()
                 if drain is not None:
                     return self._on_drain(drain)
-            stats = self.ring.step(move_now=self._move_now)
-        except RingFailure as exc:
+            stats = self.workers.step(move_now=self._move_now)
+        except WorkerGroupFailure as exc:
             return Recovering(failure=exc.failure)
         except JobError as exc:
             return self._fail(str(exc))
         self.step_count, self.last_stats = stats.step, stats
         self.record.step(stats)
-        interval = self.job.train.checkpoint.interval
-        if stats.step >= self.total_steps:
-            return Checkpointing(then=Evaluate())
-        if interval and stats.step % interval == 0:
-            return Checkpointing(then=Continue())
-        return Running()
+        if not checkpoint_due(stats.step, self.job.train):
+            return Running()
+        return Checkpointing(then=Evaluate() if stats.step >= self.total_steps else Continue())
 
     def _move_now(self, drain: Drain) -> str | None:
         """Why there is no time to checkpoint before the drain deadline, or ``None``; decided
@@ -320,7 +319,7 @@ class JobMachine:
         if self.plan is not None and self.plan.dp < self.job.dp_max:
             self.larger_since = track_larger_capacity(
                 self.larger_since, current_dp=self.plan.dp,
-                feasible_dp=self.ring.feasible_dp(self._dp_choices(), avoid=self.avoid),
+                feasible_dp=self.workers.feasible_dp(self._dp_choices(), avoid=self.avoid),
                 now=self.clock(),
             )
 
@@ -329,13 +328,14 @@ class JobMachine:
         then = state.then
         started = self.clock()
         try:
-            ref, warnings = self.ring.checkpoint()
-        except (RingFailure, JobError) as exc:
+            saved = self.workers.checkpoint()
+        except (WorkerGroupFailure, JobError) as exc:
             return self._checkpoint_failed(then, exc)
+        ref = saved.checkpoint
         self.checkpoint_seconds = self.clock() - started
         self.saved_step = ref.step
         self.record.checkpointed(ref, seconds=self.checkpoint_seconds)
-        for warning in warnings:
+        for warning in saved.warnings:
             self.record.event(f"warning: {warning}")
         if isinstance(then, MoveOff):
             return Recovering(failure=then.failure)
@@ -345,8 +345,8 @@ class JobMachine:
             return Evaluating()
         return self._after_interval_checkpoint()
 
-    def _checkpoint_failed(self, then: object, exc: RingFailure | JobError) -> State:
-        why = exc.failure.detail if isinstance(exc, RingFailure) else str(exc)
+    def _checkpoint_failed(self, then: object, exc: WorkerGroupFailure | JobError) -> State:
+        why = exc.failure.detail if isinstance(exc, WorkerGroupFailure) else str(exc)
         if isinstance(then, MoveOff):  # the node is going anyway: move, restore the previous
             self.record.event(f"the checkpoint before moving failed ({why}); moving, from the "
                               f"previous checkpoint")
@@ -365,7 +365,7 @@ class JobMachine:
             return Running()
         grow = grow_to(
             current_dp=self.plan.dp,
-            feasible_dp=self.ring.feasible_dp(self._dp_choices(), avoid=self.avoid),
+            feasible_dp=self.workers.feasible_dp(self._dp_choices(), avoid=self.avoid),
             larger_since=self.larger_since, now=self.clock(),
             grow_after_seconds=self.job.cluster.grow_after_seconds,
         )
@@ -383,10 +383,10 @@ class JobMachine:
             return Finished()
         self.record.event(f"passkey retrieval at lengths {list(passkey.passkey_lengths)}")
         try:
-            report = self.ring.evaluate()
+            report = self.workers.evaluate()
         except StopRequested:
             return self._stopping(state)
-        except RingFailure as exc:
+        except WorkerGroupFailure as exc:
             return Recovering(failure=exc.failure)
         except JobError as exc:
             return self._fail(str(exc))
@@ -415,4 +415,4 @@ class JobMachine:
     def _resize(self, state: Resizing) -> State:
         self._teardown()
         self.record.resized()
-        return Placing()
+        return Placing(dp=state.to_dp)

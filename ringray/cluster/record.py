@@ -6,8 +6,10 @@
     record.step(stats)                       # steps.jsonl, metrics, the first step of a recovery
     status = record.status()                 # a JobStatus snapshot, any time, from any thread
 
-The machine (:mod:`ringray.cluster.machine`) and the Ray ring report here; nothing else writes
-the run directory's logs or the job's Prometheus series.
+The machine (:mod:`ringray.cluster.machine`) and the Ray worker group report here; nothing
+else writes the run directory's logs or the job's Prometheus series. The run directory's own
+files (lock, ``steps.jsonl``, ``passkey.json``) are written by the same
+:class:`~ringray.train.run_dir.RunDirectory` as under torchrun.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from ringray.cluster.status import Event, JobState, JobStatus, Restart, WorkerHe
 from ringray.data import PasskeyReport
 from ringray.metrics.exporter import JobMetrics
 from ringray.train import CheckpointRef, StepStats
-from ringray.train.loop import StepsLog, move_logs_aside
+from ringray.train.run_dir import EVENTS_LOG, RunDirectory
 
 EVENTS_KEPT = 100
 
@@ -36,9 +38,9 @@ class JobRecord:
 
     def __init__(self, job: JobOptions, run_dir: Path, *, metrics: JobMetrics | None) -> None:
         self.job = job
-        self.run_dir = run_dir
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.steps_log = StepsLog(run_dir / "steps.jsonl")
+        self.run_dir = RunDirectory(run_dir, job=job.name)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._events_path = run_dir / EVENTS_LOG
         self.metrics = metrics
         self.metrics_url: str | None = None
         self._lock = threading.Lock()
@@ -69,7 +71,7 @@ class JobRecord:
         entry = {"time": stamp, "state": state, "message": message}
         if exc is not None:
             entry["traceback"] = "".join(traceback.format_exception(exc))
-        with (self.run_dir / "events.jsonl").open("a") as f:
+        with self._events_path.open("a") as f:
             f.write(json.dumps(entry) + "\n")
 
     def state(self, state: JobState, *, error: str | None = None) -> None:
@@ -100,12 +102,14 @@ class JobRecord:
     def moved_aside(self, location: str) -> None:
         """An earlier run's checkpoints were moved aside: its logs go with them."""
         self.event(f"moved the earlier run's checkpoints aside to {location}")
-        for moved in move_logs_aside(self.run_dir, location.rsplit(".", 1)[-1]):
+        for moved in self.run_dir.moved_aside(location):
             self.event(f"moved the earlier run's log aside to {moved}")
 
     def started(self, plan: PlacementPlan, *, step: int, restored: CheckpointRef | None) -> None:
         """The trainers are built at ``step`` (restored from ``restored``)."""
-        self.steps_log.truncate(step)  # the log describes the training behind the weights
+        # steps.jsonl describes the training behind the weights
+        for warning in self.run_dir.restarted_at(step):
+            self.event(f"warning: {warning}")
         with self._lock:
             self._step = step
             if restored is not None:
@@ -121,7 +125,7 @@ class JobRecord:
 
     # ----------------------------------------------------------------- training
     def step(self, stats: StepStats) -> None:
-        self.steps_log.append(stats)
+        self.run_dir.record_step(stats)
         if self.metrics is not None:
             self.metrics.step(stats)
         recovered = None
@@ -147,7 +151,7 @@ class JobRecord:
         self.event(f"checkpoint {ref.location} ({seconds:.1f} s)")
 
     def passkey(self, report: PasskeyReport) -> None:
-        (self.run_dir / "passkey.json").write_text(json.dumps(report.to_dict(), indent=2))
+        self.run_dir.record_passkey(report)
         self.event("passkey: " + " ".join(report.format_table().splitlines()[-1:]))
 
     # ----------------------------------------------------------------- faults

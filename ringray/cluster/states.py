@@ -55,10 +55,12 @@ class State:
 @dataclass(frozen=True)
 class Placing(State):
     """Plan where the ranks go on the live nodes; ``waiting_since`` (monotonic seconds) is set
-    while no placement fits and the job waits for capacity."""
+    while no placement fits and the job waits for capacity; ``dp`` is the degree a resize
+    asked for (placed exactly when it still fits; otherwise the largest that does)."""
 
     name: ClassVar[JobState] = JobState.PLACING
     waiting_since: float | None = None
+    dp: int | None = None
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,8 @@ class Recovering(State):
 
 @dataclass(frozen=True)
 class Resizing(State):
-    """Tear the ring down and place it again at a larger dp (at a checkpoint boundary)."""
+    """Tear the worker group down and place it again at dp ``to_dp`` (at a checkpoint
+    boundary)."""
 
     name: ClassVar[JobState] = JobState.RESIZING
     to_dp: int

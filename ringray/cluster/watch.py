@@ -1,10 +1,10 @@
 """Waiting on a job's workers, and turning whatever goes wrong into a :class:`Failure`.
 
-    watch = RingWatch(poll_seconds=0.5, settle_seconds=120, log=record.event)
+    watch = WorkerWatch(poll_seconds=0.5, settle_seconds=120, log=record.event)
     watch.track(workers, nodes)                     # once the workers exist
     results = watch.wait([w.run_steps.remote(1) for w in workers], timeout=300,
                          what="a step", move_now=decide)
-    # raises RingFailure, JobError, CallTimeout (or StopRequested, with should_stop)
+    # raises WorkerGroupFailure, JobError, CallTimeout (or StopRequested, with should_stop)
 
 While a call is pending it polls the nodes that hold the workers (dead → ``node_died``) and,
 when asked, whether they are draining. A failed call is classified by its cause: a worker
@@ -17,6 +17,7 @@ is logged with its traceback.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Callable
@@ -30,7 +31,7 @@ from ray.exceptions import (
     RayTaskError,
 )
 
-from ringray.cluster.errors import CallTimeout, JobError, RingFailure, StopRequested
+from ringray.cluster.errors import CallTimeout, JobError, StopRequested, WorkerGroupFailure
 from ringray.cluster.nodes import draining_nodes, node_liveness
 from ringray.cluster.policy import Drain, Failure, FailureKind
 
@@ -39,11 +40,21 @@ PROBE_SECONDS = 2.0
 # How Ray words an actor's death that its node's death caused (gcs_actor_manager).
 _DEAD_NODE_IN_ACTOR_DEATH = re.compile(r"because its node has died\. Node Id: ([0-9a-f]+)")
 
+
+def retry_cannot_help(error: BaseException) -> bool:
+    """Whether a worker's error is deterministic: a ``ValueError`` (ringray's convention for
+    bad options and input, a checkpoint of another model, a full disk), except the decoding
+    errors that are ValueErrors only by inheritance: a ``UnicodeDecodeError`` or
+    ``JSONDecodeError`` while reading can be a torn read that a retry does not meet."""
+    return isinstance(error, ValueError) and not isinstance(
+        error, UnicodeDecodeError | json.JSONDecodeError)
+
+
 MoveNow = Callable[[Drain], str | None]  # why a drain leaves no time to checkpoint, or None
 Log = Callable[..., None]  # log(message, exc=None)
 
 
-class RingWatch:
+class WorkerWatch:
     """The job's current workers (actor handles, in rank order) and their nodes."""
 
     def __init__(self, *, poll_seconds: float, settle_seconds: float,
@@ -69,9 +80,9 @@ class RingWatch:
         """The results of ``refs`` (in order), watching the workers while waiting.
 
         Raises:
-            RingFailure: a worker died, its node died, or a call raised; with ``move_now``, a
-                drain that leaves no time for a checkpoint.
-            JobError: a call raised ``ValueError``.
+            WorkerGroupFailure: a worker died, its node died, or a call raised; with
+                ``move_now``, a drain that leaves no time for a checkpoint.
+            JobError: a call raised an error no retry can fix (:func:`retry_cannot_help`).
             CallTimeout: not every result within ``timeout`` seconds.
             StopRequested: ``should_stop`` turned true (the calls are abandoned).
         """
@@ -99,14 +110,14 @@ class RingWatch:
         try:
             return ray.get(ref)
         except ActorUnavailableError:
-            raise RingFailure(self._settle_lost_contact(rank)) from None
+            raise WorkerGroupFailure(self._settle_lost_contact(rank)) from None
         except RayActorError as exc:
-            raise RingFailure(self._actor_death(rank, exc)) from None
+            raise WorkerGroupFailure(self._actor_death(rank, exc)) from None
         except RayTaskError as exc:
             cause = exc.cause if isinstance(exc.cause, BaseException) else None
-            if isinstance(cause, ValueError):
+            if cause is not None and retry_cannot_help(cause):
                 raise JobError(f"rank {rank}: {cause}") from None
-            raise RingFailure(self._step_error(rank, cause or exc)) from None
+            raise WorkerGroupFailure(self._step_error(rank, cause or exc)) from None
 
     def _step_error(self, rank: int, error: BaseException) -> Failure:
         """A call that raised. A collective broken by a dead or stopped peer lands here too;
@@ -163,7 +174,7 @@ class RingWatch:
                 if not alive.get(node, False)}
         if dead:
             ranks = sorted(r for rs in dead.values() for r in rs)
-            raise RingFailure(Failure(
+            raise WorkerGroupFailure(Failure(
                 kind=FailureKind.NODE_DIED, nodes=tuple(sorted(dead)),
                 detail=f"node(s) {short_nodes(dead)} died, taking rank(s) {_ranks(ranks)}",
             ))
@@ -186,7 +197,7 @@ class RingWatch:
         why = move_now(drain)
         if why is not None:
             self.drain = None
-            raise RingFailure(Failure(kind=FailureKind.PREEMPTED, nodes=drain.nodes,
+            raise WorkerGroupFailure(Failure(kind=FailureKind.PREEMPTED, nodes=drain.nodes,
                                       detail=f"node(s) {short_nodes(draining)} draining; {why}"))
 
     def silent_ranks(self, *, raise_for_dead: bool = False) -> list[int]:
@@ -199,11 +210,11 @@ class RingWatch:
                 ray.get(probe, timeout=PROBE_SECONDS)
             except ActorUnavailableError:
                 if raise_for_dead:
-                    raise RingFailure(self._settle_lost_contact(rank)) from None
+                    raise WorkerGroupFailure(self._settle_lost_contact(rank)) from None
                 silent.append(rank)
             except RayActorError as exc:
                 if raise_for_dead:
-                    raise RingFailure(self._actor_death(rank, exc)) from None
+                    raise WorkerGroupFailure(self._actor_death(rank, exc)) from None
                 silent.append(rank)
             except Exception as exc:  # not a known death: say what it was
                 self.log(f"rank {rank}: health probe failed: {_first_line(exc)}", exc=exc)

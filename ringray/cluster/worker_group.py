@@ -1,17 +1,18 @@
-"""The job's workers on Ray: what :class:`~ringray.cluster.machine.Ring` asks for, done.
+"""The job's workers on Ray: what :class:`~ringray.cluster.machine.WorkerGroup` asks for, done.
 
-    ring = RayRing(job, record, should_stop=stop_event.is_set)
-    plan = ring.plan(dp_choices, avoid=frozenset())
-    ring.start(plan); run = ring.run_plan(lineage=None); built = ring.build(options, run)
-    stats = ring.step(move_now=decide)
-    ring.teardown()
+    workers = RayWorkerGroup(job, record, should_stop=stop_event.is_set)
+    plan = workers.plan(dp_choices, avoid=frozenset())
+    workers.start(plan); run = workers.run_plan(lineage=None)
+    restored = workers.build(options, run)       # every worker opens its training session
+    stats = workers.step(move_now=decide)
+    workers.teardown()
 
 Workers are created in a placement group whose bundles are pinned to the planned nodes (Ray's
 ``ray.io/node-id`` label; with ``parallel.ulysses`` each Ulysses group's ranks on one node),
 checked against the plan once they report where they run, and
 joined into one process group through rank 0's TCP rendezvous. Every wait goes through
-:class:`~ringray.cluster.watch.RingWatch`, which turns what goes wrong into
-:class:`~ringray.cluster.errors.RingFailure` (or :class:`JobError` when a retry cannot help).
+:class:`~ringray.cluster.watch.WorkerWatch`, which turns what goes wrong into
+:class:`~ringray.cluster.errors.WorkerGroupFailure` (or :class:`JobError` when a retry cannot help).
 """
 
 from __future__ import annotations
@@ -23,9 +24,8 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ringray.cluster.errors import CallTimeout, JobError, RingFailure
+from ringray.cluster.errors import CallTimeout, JobError, WorkerGroupFailure
 from ringray.cluster.job_options import JobOptions
-from ringray.cluster.machine import Built
 from ringray.cluster.nodes import NODE_ID_LABEL, schedulable_nodes
 from ringray.cluster.placement import (
     LinkBandwidths,
@@ -36,11 +36,12 @@ from ringray.cluster.placement import (
 )
 from ringray.cluster.policy import Drain, Failure, FailureKind
 from ringray.cluster.record import JobRecord
-from ringray.cluster.watch import RingWatch
+from ringray.cluster.watch import WorkerWatch
 from ringray.cluster.worker import TrainWorker
 from ringray.data import PasskeyReport
-from ringray.train import CheckpointRef, StepStats, TrainOptions
+from ringray.train import StepStats, TrainOptions
 from ringray.train.checkpoint import RunPlan
+from ringray.train.session import Restored, Saved
 
 # The ranks' collectives time out well after the controller's step timeout, so a hang is
 # seen (and reported) by the controller, not as a survivor's collective error.
@@ -49,7 +50,7 @@ COLLECTIVE_TIMEOUT_FACTOR = 2
 _EVAL_CELLS_PER_TIMEOUT = 8
 
 
-class RayRing:
+class RayWorkerGroup:
     """The current workers of one job (none between a teardown and the next start)."""
 
     def __init__(self, job: JobOptions, record: JobRecord, *,
@@ -58,7 +59,7 @@ class RayRing:
         self.record = record
         self.should_stop = should_stop
         self.cluster = job.cluster
-        self.watch = RingWatch(poll_seconds=job.cluster.poll_seconds,
+        self.watch = WorkerWatch(poll_seconds=job.cluster.poll_seconds,
                                settle_seconds=job.cluster.startup_timeout_seconds,
                                log=record.event)
         self.workers: list = []
@@ -126,7 +127,7 @@ class RayRing:
                 timeout=timeout, should_stop=self.should_stop,
             )
         except CallTimeout as exc:
-            raise RingFailure(Failure(kind=FailureKind.STARTUP, detail=str(exc))) from None
+            raise WorkerGroupFailure(Failure(kind=FailureKind.STARTUP, detail=str(exc))) from None
 
     def _create_workers(self, plan: PlacementPlan) -> None:
         self.plan_ = plan
@@ -153,12 +154,10 @@ class RayRing:
         self.watch.track(self.workers, self.watch.nodes)
 
     def run_plan(self, *, lineage: str | None) -> RunPlan:
-        options = self.job.train
         return self._startup_call([self.workers[0].run_plan.remote(
-            location=options.checkpoint_location, lineage=lineage,
-            resume=options.checkpoint.resume, move_aside=options.checkpoint.move_aside)])[0]
+            self.job.train, lineage=lineage)])[0]
 
-    def build(self, options: TrainOptions, run: RunPlan) -> Built:
+    def build(self, options: TrainOptions, run: RunPlan) -> Restored:
         return self._startup_call([w.build.remote(options, run) for w in self.workers])[0]
 
     def _startup_call(self, refs: list) -> list:
@@ -166,7 +165,7 @@ class RayRing:
             return self.watch.wait(refs, timeout=self.cluster.startup_timeout_seconds,
                                    should_stop=self.should_stop)
         except CallTimeout as exc:
-            raise RingFailure(Failure(kind=FailureKind.STARTUP, detail=str(exc))) from None
+            raise WorkerGroupFailure(Failure(kind=FailureKind.STARTUP, detail=str(exc))) from None
 
     # ----------------------------------------------------------------- training
     def step(self, *, move_now: Callable[[Drain], str | None]) -> StepStats:
@@ -175,17 +174,17 @@ class RayRing:
                                       timeout=self.cluster.step_timeout_seconds,
                                       what="a step", move_now=move_now)
         except CallTimeout as exc:
-            raise RingFailure(Failure(kind=FailureKind.HANG, detail=(
+            raise WorkerGroupFailure(Failure(kind=FailureKind.HANG, detail=(
                 f"{exc}; {self.watch.describe_silence()}"))) from None
         return results[0][-1]
 
-    def checkpoint(self) -> tuple[CheckpointRef, tuple[str, ...]]:
+    def checkpoint(self) -> Saved:
         try:
             return self.watch.wait([w.checkpoint.remote() for w in self.workers],
                                    timeout=self.cluster.step_timeout_seconds,
                                    what="a checkpoint")[0]
         except CallTimeout as exc:
-            raise RingFailure(Failure(kind=FailureKind.HANG, detail=(
+            raise WorkerGroupFailure(Failure(kind=FailureKind.HANG, detail=(
                 f"{exc}; {self.watch.describe_silence()}"))) from None
 
     def evaluate(self) -> PasskeyReport | None:
@@ -199,7 +198,7 @@ class RayRing:
                                    timeout=timeout, what="the passkey evaluation",
                                    should_stop=self.should_stop)[0]
         except CallTimeout as exc:
-            raise RingFailure(Failure(kind=FailureKind.HANG, detail=str(exc))) from None
+            raise WorkerGroupFailure(Failure(kind=FailureKind.HANG, detail=str(exc))) from None
 
     def poll(self) -> None:
         """Between steps: dead nodes raise; a drain is noted for :meth:`take_drain` (the

@@ -9,7 +9,11 @@ torchrun or inside Ray workers.
 - :mod:`~ringray.train.sharding`: replicated weights, or FSDP2 over the flattened mesh;
   :mod:`~ringray.train.footprint`: the memory one rank holds, term by term.
 - :mod:`~ringray.train.checkpoint`: DCP checkpoints committed by a marker.
-- :mod:`~ringray.train.step_stats`: what a step measured; :mod:`~ringray.train.loop`: a run.
+- :mod:`~ringray.train.step_stats`: what a step measured.
+- :mod:`~ringray.train.session`: one training session (restore, step, checkpoint, evaluate on
+  every rank), the one both drivers run: :mod:`~ringray.train.loop` (torchrun) and the Ray
+  workers; :mod:`~ringray.train.run_dir`: the run directory's single writer (lock,
+  ``steps.jsonl``, ``passkey.json``).
 - ``python -m ringray.train --config FILE``: the torchrun entry point.
 """
 
@@ -24,6 +28,8 @@ from ringray.train.options import (
     TrainingOptions,
     TrainOptions,
 )
+from ringray.train.run_dir import RunDirectory
+from ringray.train.session import Restored, Saved, TrainingSession, checkpoint_due, plan_session
 from ringray.train.step_stats import StepStats
 from ringray.train.trainer import Trainer
 
@@ -36,11 +42,17 @@ __all__ = [
     "MeshShape",
     "OptimizerOptions",
     "ParallelOptions",
+    "Restored",
+    "RunDirectory",
     "RunResult",
+    "Saved",
     "StepStats",
     "TrainOptions",
     "Trainer",
     "TrainingOptions",
+    "TrainingSession",
+    "checkpoint_due",
+    "plan_session",
     "build_mesh",
     "resolve_mesh_shape",
     "run_training",

@@ -167,8 +167,21 @@ class Trainer:
         self.autocast_dtype = None if self.sharded else self.compute_dtype
         self.optimizer = self._make_optimizer()
         self.step_count = 0
-        self.peak_flops_per_device = options.peak_flops_per_device or self._agreed_peak()
         self.flops_per_token = options.model.flops_per_token(options.train.seq_len, causal=True)
+        # Measured by calibrate(), once, before the first step (not here: building a trainer
+        # runs no benchmark).
+        self.peak_flops_per_device: float | None = options.peak_flops_per_device
+        self._transfer_seconds_per_byte: float | None = None
+
+    def calibrate(self) -> None:
+        """Measure, once, what steps are reported against (collective): the device peak for
+        MFU (unless ``peak_flops_per_device`` is given) and the ring's standalone transfer
+        rate for the overlap split. :class:`~ringray.train.session.TrainingSession` calls it
+        after building; a bare trainer calibrates at its first step."""
+        if self._transfer_seconds_per_byte is not None:
+            return
+        if self.peak_flops_per_device is None:
+            self.peak_flops_per_device = self._agreed_peak()
         self._transfer_seconds_per_byte = self._measure_transfer_rate()
 
     # ----------------------------------------------------------------- setup
@@ -341,6 +354,7 @@ class Trainer:
 
     def step(self) -> StepStats:
         """One optimizer step over the next global batch; returns what it measured."""
+        self.calibrate()
         start = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)

@@ -1,0 +1,152 @@
+"""One training session: a run's life on every rank, written once for torchrun and for Ray.
+
+    run = on_rank0(lambda: plan_session(options))        # lineage + restore candidates
+    session = TrainingSession(options, run)               # every rank (collective)
+    restored = session.restore()                          # newest usable checkpoint, or none
+    while session.step_count < options.train.steps:
+        stats = session.step()
+        if checkpoint_due(stats.step, options):
+            saved = session.checkpoint()
+    report = session.evaluate()                           # the job's passkey evaluation
+
+Two drivers run sessions. :func:`ringray.train.loop.run_training` (torchrun, or one plain
+process) runs the loop above on every rank; under Ray, each worker actor holds a session and
+the job's controller calls it one step, checkpoint or evaluation at a time
+(:mod:`ringray.cluster.worker`), deciding when to checkpoint with the same
+:func:`checkpoint_due`. What a session returns is written to the run directory by one process,
+with :class:`ringray.train.run_dir.RunDirectory`: rank 0 under torchrun, the controller under
+Ray.
+
+Every method is collective over the job's ranks except :func:`plan_session`, which reads the
+checkpoint location (one rank, or the controller's chosen worker, calls it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ringray.data import PasskeyReport, evaluate_passkey
+from ringray.train.checkpoint import (
+    CheckpointCorrupt,
+    CheckpointRef,
+    CheckpointStore,
+    RunPlan,
+    plan_run,
+)
+from ringray.train.collective import on_rank0
+from ringray.train.options import TrainOptions
+from ringray.train.step_stats import StepStats
+from ringray.train.trainer import Trainer
+
+
+@dataclass(frozen=True, kw_only=True)
+class Restored:
+    """What a session's restore found."""
+
+    step: int
+    """The trainers' step after the restore (0: a fresh start)."""
+    checkpoint: CheckpointRef | None
+    """The checkpoint loaded, or ``None``."""
+    refused: tuple[str, ...] = ()
+    """Why each newer checkpoint was refused (one line each), newest first."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Saved:
+    """A committed checkpoint and what went wrong without failing it (pruning)."""
+
+    checkpoint: CheckpointRef
+    warnings: tuple[str, ...] = ()
+
+
+def plan_session(options: TrainOptions, *, lineage: str | None = None) -> RunPlan:
+    """The run's lineage and restore candidates, newest first, as this process sees the
+    checkpoint location. At a run's first start (``lineage`` None) per the job's
+    ``checkpoint.resume`` and ``checkpoint.move_aside`` (:func:`~ringray.train.checkpoint.
+    plan_run`, which may move an earlier run aside or refuse to start); on a restart of the
+    same run, the committed checkpoints of ``lineage``."""
+    store = CheckpointStore(options.checkpoint_location)
+    if lineage is None:
+        return plan_run(store, resume=options.checkpoint.resume,
+                        move_aside=options.checkpoint.move_aside)
+    return RunPlan(lineage=lineage, restore=tuple(store.of_lineage(lineage)))
+
+
+def checkpoint_due(step: int, options: TrainOptions) -> bool:
+    """Whether the step just done is checkpointed: every ``checkpoint.interval`` steps and the
+    last one (``train.steps``)."""
+    interval = options.checkpoint.interval
+    return step >= options.train.steps or bool(interval and step % interval == 0)
+
+
+class TrainingSession:
+    """One rank's part of a run: its trainer and the run's checkpoint store (lineage)."""
+
+    def __init__(self, options: TrainOptions, run: RunPlan) -> None:
+        self.options = options
+        self.run = run
+        self.trainer = Trainer(options)
+        # Probes (device peak, ring transfer rate) once per session, before the first step,
+        # so that step's time is the step's.
+        self.trainer.calibrate()
+        self.store = CheckpointStore(options.checkpoint_location, lineage=run.lineage)
+
+    @property
+    def step_count(self) -> int:
+        return self.trainer.step_count
+
+    @property
+    def is_writer(self) -> bool:
+        """Whether this rank writes the run directory under torchrun (rank 0)."""
+        return self.trainer.mesh.rank == 0
+
+    def restore(self, *, on_refused: Callable[[str], None] | None = None) -> Restored:
+        """Load the newest restore candidate that verifies and loads, falling back past
+        corrupt ones (each refusal is one line, also passed to ``on_refused`` as it happens).
+
+        Raises:
+            CheckpointCorrupt: every candidate is corrupt (training would silently start
+                over); the message says how to start over on purpose.
+            CheckpointError: the checkpoint belongs to another model.
+        """
+        refused: list[CheckpointCorrupt] = []
+        for ref in self.run.restore:
+            try:
+                on_rank0(lambda ref=ref: self.store.verify(ref))
+                self.trainer.load_checkpoint(self.store, ref)
+            except CheckpointCorrupt as exc:
+                refused.append(exc)
+                if on_refused is not None:
+                    on_refused(str(exc))
+                continue
+            return Restored(step=self.trainer.step_count, checkpoint=ref,
+                            refused=tuple(str(exc) for exc in refused))
+        if refused:
+            raise CheckpointCorrupt(
+                f"no usable checkpoint at {self.store.location}: {len(refused)} refused, the "
+                f"newest because {refused[0]}; to start over, set checkpoint.resume: false "
+                f"with checkpoint.move_aside: true", refused[0].ref)
+        return Restored(step=self.trainer.step_count, checkpoint=None)
+
+    def step(self) -> StepStats:
+        """One optimizer step on every rank."""
+        return self.trainer.step()
+
+    def checkpoint(self) -> Saved:
+        """Save and commit the current step; pruning problems come back as warnings."""
+        ref = self.trainer.save_checkpoint(self.store)
+        warnings, self.store.warnings = tuple(self.store.warnings), []
+        return Saved(checkpoint=ref, warnings=warnings)
+
+    def evaluate(self) -> PasskeyReport | None:
+        """The job's passkey evaluation, or ``None`` when it asks for none."""
+        passkey = self.options.eval
+        if not passkey.passkey_lengths:
+            return None
+        trainer = self.trainer
+        return evaluate_passkey(
+            trainer.predict_next_tokens, trainer.tokenizer,
+            lengths=passkey.passkey_lengths, depths=passkey.passkey_depths,
+            samples_per_cell=passkey.passkey_samples, seed=passkey.passkey_seed,
+        )
