@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ringray.attention import backends
 from ringray.attention.backends import (
     BACKENDS,
     FusedStepBackend,
-    auto_candidates,
     resolve_backend,
 )
 from ringray.attention.backends.common import position_mask
@@ -137,10 +137,28 @@ def test_resolve_backend_choices_and_errors():
         resolve_backend("triton", CPU, torch.float64)
 
 
-def test_auto_prefers_triton_on_cuda_only():
-    """``auto`` tries triton first on CUDA (triton is installed here), sdpa first on CPU."""
-    assert auto_candidates(torch.device("cuda")) == ("triton", "sdpa", "reference")
-    assert auto_candidates(CPU) == ("sdpa", "reference")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_auto_picks_triton_on_cuda_when_installed_else_sdpa(dtype, monkeypatch):
+    """``backend="auto"`` resolves to triton on CUDA when the triton package is importable,
+    to sdpa on CUDA without it, and to sdpa on CPU always, even here, where Triton's
+    interpreter would let the triton backend run on CPU."""
+    cuda = torch.device("cuda")  # resolving needs no device: support is decided by type
+    assert BACKENDS["triton"]().supports(CPU, dtype)  # so auto must skip it on purpose
+    assert resolve_backend("auto", CPU, dtype).name == "sdpa"
+    assert resolve_backend("auto", cuda, dtype).name == "triton"
+    monkeypatch.setattr(backends, "triton_importable", lambda: False)
+    assert resolve_backend("auto", cuda, dtype).name == "sdpa"
+    with pytest.raises(ValueError, match="'triton' needs the triton package"):
+        resolve_backend("triton", cuda, dtype)
+
+
+def test_auto_falls_through_to_a_backend_that_takes_the_dtype():
+    """float64 on CUDA: neither triton nor PyTorch's CUDA SDPA kernels take it, so auto goes
+    on to the reference; on CPU SDPA takes it. A dtype nothing takes is one error."""
+    assert resolve_backend("auto", torch.device("cuda"), torch.float64).name == "reference"
+    assert resolve_backend("auto", CPU, torch.float64).name == "sdpa"
+    with pytest.raises(ValueError, match="no backend supports torch.int32 on cpu"):
+        resolve_backend("auto", CPU, torch.int32)
 
 
 def test_only_triton_offers_the_fused_ring_step():
