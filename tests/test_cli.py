@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from bench_rows import assert_summary_follows_from_the_ranks
 from typer.testing import CliRunner
 
 from ringray.cli import app
@@ -23,9 +24,13 @@ def test_bench_ring_json_has_one_object_per_layout():
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout)
     assert [r["layout"] for r in rows] == ["zigzag", "contiguous"]
+    # What a rank sends: its K/V block (256 tokens x 2 kv heads x 32 dims, float32, k and v)
+    # once forward, then once backward with its float32 dK/dV sums: 3 blocks on a ring of 2.
+    kv_block_bytes = 256 * 2 * 32 * 4 * 2
     for row in rows:
         assert KEYS <= row.keys()
-        assert row["work_efficiency"] > 0 and row["compute_seconds_max"] > 0
+        assert_summary_follows_from_the_ranks(row, ranks=2)
+        assert row["bytes_sent_per_rank"] == 3 * kv_block_bytes
         # The exposed time splits into transfer not hidden and peer wait; overlap in [0, 1].
         assert 0.0 <= row["overlap_ratio"] <= 1.0
         for exposed, not_hidden, wait, alone in zip(

@@ -1,4 +1,5 @@
-"""The README's example runs as documented, under torchrun, and its own assertion passes."""
+"""docs/ring-attention.md's runnable example runs as documented, under torchrun, and its own
+assertion passes."""
 
 from __future__ import annotations
 

@@ -3,6 +3,7 @@ it must refuse before building anything."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,14 +16,34 @@ from ringray.data import IGNORE_LABEL
 from ringray.train import Trainer
 
 
+def _batch_loss(trainer: Trainer, inputs: torch.Tensor, labels: torch.Tensor) -> float:
+    """Torch's own mean cross-entropy of the trainer's model on one batch (no gradients)."""
+    with torch.no_grad():
+        logits = trainer.model(inputs)
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(),
+                           ignore_index=IGNORE_LABEL).item()
+
+
 def test_trains_on_synthetic_passkey_samples(tmp_path: Path) -> None:
-    """data.source 'passkey' packs one retrieval sample per sequence and trains."""
+    """data.source 'passkey' packs one retrieval sample per sequence: every row is a whole
+    sample (one needle, and the question at the end asking for that needle's key) closed by
+    the end-of-document token. The step's loss is torch's cross-entropy of that batch, and
+    the step lowers it."""
     trainer = Trainer(tiny_options(str(tmp_path), data={"source": "passkey"},
                                    train={"seq_len": 256}))
+    inputs, labels = trainer.loader.batch(0)
+    eos = trainer.tokenizer.eos_id
+    for row in inputs.tolist():
+        assert row[-1] == eos and eos not in row[:-1]
+        text = bytes(row[:-1]).decode()
+        keys = re.findall(r"The pass key is (\d{5})\. Remember it\.", text)
+        assert len(keys) == 1, text
+        assert text.endswith(f"What is the pass key? The pass key is {keys[0]}"), text
+    before = _batch_loss(trainer, inputs, labels)
     first = trainer.step()
-    inputs, _ = trainer.loader.batch(0)
-    assert b"pass key" in bytes(t for t in inputs[0].tolist() if t < 256)
-    assert first.tokens == 2 * 256 and first.loss > 0
+    assert first.tokens == 2 * 256
+    assert first.loss == pytest.approx(before, rel=1e-5)
+    assert _batch_loss(trainer, inputs, labels) < before
 
 
 @pytest.mark.parametrize("documents", [False, True])
@@ -53,11 +74,26 @@ def test_a_loss_masked_source_reports_the_mean_over_its_counted_labels(
 
 
 def test_trains_on_a_directory_of_text(tmp_path: Path) -> None:
-    (tmp_path / "docs").mkdir()
-    (tmp_path / "docs/a.txt").write_text("ring attention " * 200)
-    trainer = Trainer(tiny_options(str(tmp_path),
+    """data.source 'files' reads the .txt files under data.path, subdirectories included:
+    the batch is their text (documents closed by the end-of-document token), the step's loss
+    is torch's cross-entropy of that batch, and the step lowers it."""
+    texts = {"docs/a.txt": "ring attention " * 40, "docs/more/b.txt": "zigzag layout " * 40}
+    for name, text in texts.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    trainer = Trainer(tiny_options(str(tmp_path), train={"global_batch": 16},
                                    data={"source": "files", "path": str(tmp_path / "docs")}))
-    assert trainer.step().loss > 0
+    inputs, labels = trainer.loader.batch(0)
+    eos = trainer.tokenizer.eos_id
+    stream = b"".join(bytes(t if t != eos else 0 for t in row) for row in inputs.tolist())
+    pieces = [piece.decode() for piece in stream.split(b"\0") if piece]
+    assert all(any(piece in text for text in texts.values()) for piece in pieces), pieces
+    for text in texts.values():  # both files, the nested one too, are in the batch
+        assert any(piece in text and len(piece) >= 32 for piece in pieces), text[:16]
+    before = _batch_loss(trainer, inputs, labels)
+    stats = trainer.step()
+    assert stats.loss == pytest.approx(before, rel=1e-5)
+    assert _batch_loss(trainer, inputs, labels) < before
 
 
 @pytest.mark.parametrize(

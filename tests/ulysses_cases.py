@@ -15,6 +15,7 @@ grid layout and compares its shard of output, LSE and gradients:
 
 from __future__ import annotations
 
+import time
 import traceback
 import zlib
 from dataclasses import asdict, dataclass
@@ -165,14 +166,17 @@ def record_stats(rank: int, world: int, ulysses: int) -> dict:
     q, k, v = (layout.shard(torch.randn(1, 48, h, 16), rank).requires_grad_()
                for h in (4, 2, 2))
     stats = RingStats()
+    started = time.perf_counter()
     out, _ = ring_attention(q, k, v, ring_group, ulysses_group=ulysses_group, layout=layout,
                             stats=stats, return_lse=True)
     out.sum().backward()
+    call_seconds = time.perf_counter() - started
     totals = stats.totals()
     return {
         "ring": [(r.phase, r.step, r.bytes_sent) for r in stats.records],
         "a2a": [(r.phase, r.name, r.bytes_sent) for r in stats.a2a_records],
         "a2a_seconds": [r.seconds for r in stats.a2a_records],
+        "call_seconds": call_seconds,  # the forward and backward, on the wall clock
         "totals": asdict(totals),
         "forward_a2a_calls": stats.totals("forward").a2a_calls,
         "rank": dist.get_rank(),
