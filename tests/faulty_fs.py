@@ -6,15 +6,23 @@
   delete, as on an object store.
 - ``fullmem://``: :class:`FullMemoryFS` holds at most ``QUOTA_BYTES`` and then raises
   ``OSError(ENOSPC)`` naming the file, as a full disk does.
+- ``denymem://``: :class:`DenyingMemoryFS` refuses to create any file inside a checkpoint
+  directory (``step_*``) with ``OSError(code)``: a read-only store (EROFS) or one that is
+  not ours to write (EACCES).
+- ``quotafile://``: :class:`QuotaLocalFS` is the local disk with a small quota on one
+  directory, shared by every process writing there (usage is measured on disk): a write past
+  it raises ``OSError(ENOSPC)``, as a small tmpfs does, without mounting one.
 
-Each keeps its files in a store of its own (not the shared ``memory://`` one).
+The memory ones keep their files in a store of their own (not the shared ``memory://`` one).
 """
 
 from __future__ import annotations
 
 import errno
+import os
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
 
 
@@ -122,5 +130,64 @@ class FullMemoryFS(MemoryFileSystem):
         return super().pipe_file(path, value, **kwargs)
 
 
+class DenyingMemoryFS(MemoryFileSystem):
+    protocol = "denymem"
+    store: dict = {}  # noqa: RUF012
+    pseudo_dirs = [""]  # noqa: RUF012
+    code = errno.EROFS
+
+    @classmethod
+    def reset(cls, code: int) -> None:
+        cls.store.clear()
+        cls.pseudo_dirs[:] = [""]
+        cls.code = code
+
+    def _open(self, path, mode="rb", **kwargs):
+        if any(c in mode for c in "wax") and "/step_" in path:
+            raise OSError(self.code, os.strerror(self.code), path)
+        return super()._open(path, mode, **kwargs)
+
+
+class QuotaLocalFS(LocalFileSystem):
+    protocol = "quotafile"
+    root: str | None = None  # the directory the quota covers (set in every process)
+    QUOTA_BYTES = 3 << 20
+
+    @classmethod
+    def limit(cls, root: str, quota_bytes: int) -> None:
+        cls.root, cls.QUOTA_BYTES = root, quota_bytes
+
+    @classmethod
+    def _used_bytes(cls, excluding: str) -> int:
+        """Bytes on disk under the root, not counting ``excluding`` (the file being written,
+        whose size is its position)."""
+        used = 0
+        for folder, _, names in os.walk(cls.root or "/nonexistent"):
+            for name in names:
+                path = os.path.join(folder, name)
+                if os.path.abspath(path) != os.path.abspath(excluding):
+                    try:
+                        used += os.path.getsize(path)
+                    except FileNotFoundError:  # removed meanwhile
+                        pass
+        return used
+
+    def _open(self, path, mode="rb", **kwargs):
+        file = super()._open(path, mode, **kwargs)
+        if any(c in mode for c in "wax"):
+            write, local = file.write, self._strip_protocol(path)
+
+            def limited_write(data, _write=write):
+                size = memoryview(data).nbytes
+                if self._used_bytes(local) + file.tell() + size > self.QUOTA_BYTES:
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                return _write(data)
+
+            file.write = limited_write
+        return file
+
+
 fsspec.register_implementation("crashmem", CrashingMemoryFS, clobber=True)
 fsspec.register_implementation("fullmem", FullMemoryFS, clobber=True)
+fsspec.register_implementation("denymem", DenyingMemoryFS, clobber=True)
+fsspec.register_implementation("quotafile", QuotaLocalFS, clobber=True)
