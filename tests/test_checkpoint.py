@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from faulty_fs import Crash, CrashingMemoryFS, FullMemoryFS
+from faulty_fs import Crash, CrashingMemoryFS, DenyingMemoryFS, FullMemoryFS
 from train_cases import tiny_options
 
 from ringray.train import CheckpointStore, Trainer
@@ -79,15 +79,14 @@ def test_keeps_the_newest_k_of_its_own_lineage_only(tmp_path: Path) -> None:
 
 
 def test_uncommitted_directories_are_never_loaded_and_are_cleaned_up(tmp_path: Path) -> None:
-    """A directory without a readable marker is not a checkpoint: a crashed save (shards, no
-    marker), a marker cut short, and a legacy ``.partial``; the next commit removes them."""
+    """A directory without a marker is not a checkpoint: a crashed save (shards, no marker)
+    and a legacy ``.partial``; the next commit removes them. (A marker that is there but
+    unreadable is a damaged checkpoint, refused but kept: see below.)"""
     store = CheckpointStore(str(tmp_path), lineage="run")
     store.save(2, _state(2.0), keep=3)
     for name in ("step_00000009-deadbeef", "step_00000009.partial"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "__0_0.distcp").write_bytes(b"shard")
-    (tmp_path / "step_00000008-0badc0de").mkdir()
-    (tmp_path / "step_00000008-0badc0de" / COMPLETE_MARKER).write_text('{"step": 8, "lin')
     assert [r.step for r in store.committed()] == [2]
     assert store.latest().step == 2
     store.save(3, _state(3.0), keep=3)
@@ -199,6 +198,91 @@ def test_a_deleted_metadata_file_is_refused_naming_it(tmp_path: Path) -> None:
     assert chosen.location == older.location and len(refused) == 1
 
 
+def _flip_64_bytes_inside(shard: Path) -> None:
+    """XOR 64 bytes in the middle of ``shard``: the size stays, the content changes."""
+    data = bytearray(shard.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 64] = bytes(b ^ 0xFF for b in data[middle:middle + 64])
+    shard.write_bytes(bytes(data))
+
+
+def test_a_shard_changed_in_place_is_refused_naming_the_file(tmp_path: Path) -> None:
+    """Bytes changed inside a shard keep its size, so only its content checksum (crc32c,
+    recorded in the marker at commit) tells: the load is refused in one line naming the file,
+    and the previous checkpoint is chosen and loads its own weights."""
+    store = CheckpointStore(str(tmp_path), lineage="run")
+    big = {"weights": torch.full((256, 256), 1.0), "step": 1, "note": "v1.0"}
+    older = store.save(1, big, keep=3)
+    newer = store.save(2, {**big, "weights": torch.full((256, 256), 2.0), "note": "v2.0"},
+                       keep=3)
+    shard = next(Path(newer.location).glob("*.distcp"))
+    _flip_64_bytes_inside(shard)
+    loaded = {"weights": torch.zeros(256, 256), "step": 0, "note": ""}
+    with pytest.raises(CheckpointCorrupt) as info:
+        store.load(newer, loaded)
+    message = str(info.value)
+    assert "\n" not in message and shard.name in message and "checksum" in message
+    refused = []
+    chosen = restore_candidates(store, tuple(store.of_lineage()), refused=refused.append)
+    assert chosen.location == older.location
+    assert [str(r) for r in refused] == [message]
+    store.load(chosen, loaded)
+    torch.testing.assert_close(loaded["weights"], torch.full((256, 256), 1.0), rtol=0, atol=0)
+    assert set(store.marker(newer)["crc32c"]) == set(store.marker(newer)["files"])
+
+
+def test_markers_without_checksums_still_load(tmp_path: Path) -> None:
+    """Checkpoints committed before checksums (marker format 2: sizes only) still verify
+    and load."""
+    store = CheckpointStore(str(tmp_path), lineage="run")
+    ref = store.save(1, _state(1.0), keep=3)
+    marker_path = Path(ref.location) / COMPLETE_MARKER
+    marker = json.loads(marker_path.read_text())
+    del marker["crc32c"]
+    marker_path.write_text(json.dumps({**marker, "format": 2}))
+    store.verify(ref)
+    assert _loaded(store, ref)["note"] == "v1.0"
+
+
+def test_a_damaged_marker_is_refused_with_its_reason_and_kept_until_superseded(
+    tmp_path: Path,
+) -> None:
+    """The newest checkpoint's marker is there but unreadable (not a commit cut short: the
+    marker is written whole). A resume tries it first and refuses it in one line naming the
+    marker, then uses the previous one; the damaged one is not pruned by commits of earlier
+    steps (a stop checkpoint at step 3), only once step 4 is committed again."""
+    store = CheckpointStore(str(tmp_path), lineage="run")
+    for step in (2, 4):
+        store.save(step, _state(float(step)), keep=3)
+    damaged = store.latest()
+    (Path(damaged.location) / COMPLETE_MARKER).write_bytes(b"\x00\xff not json")
+
+    plan = plan_run(CheckpointStore(str(tmp_path)), resume=True, move_aside=False)
+    assert [r.step for r in plan.restore] == [4, 2] and plan.lineage == "run"
+    refused = []
+    chosen = restore_candidates(store, plan.restore, refused=refused.append)
+    assert chosen.step == 2 and len(refused) == 1
+    assert "\n" not in str(refused[0]) and COMPLETE_MARKER in str(refused[0])
+    assert Path(damaged.location).name in str(refused[0])
+
+    resumed = CheckpointStore(str(tmp_path), lineage=plan.lineage)
+    resumed.save(3, _state(3.0), keep=1)
+    assert Path(damaged.location).exists(), "refused, and nothing newer committed yet"
+    resumed.save(4, _state(4.0), keep=1)
+    assert not Path(damaged.location).exists()
+    assert [r.step for r in resumed.of_lineage()] == [4]
+
+
+def test_a_new_run_does_not_overlook_a_damaged_checkpoint(tmp_path: Path) -> None:
+    """A location whose only checkpoint has a damaged marker still holds a run: a new run
+    (resume off) is refused rather than pruning it."""
+    store = CheckpointStore(str(tmp_path), lineage="old")
+    ref = store.save(6, _state(6.0), keep=3)
+    (Path(ref.location) / COMPLETE_MARKER).write_text('{"step": 6, "lin')
+    with pytest.raises(LocationInUse, match="up to step 6"):
+        plan_run(CheckpointStore(str(tmp_path)), resume=False, move_aside=False)
+
+
 # ------------------------------------------------------------------ failures a retry cannot fix
 def test_a_full_disk_fails_once_naming_enospc_and_the_path_and_leaves_nothing() -> None:
     """ENOSPC while writing shards: one line naming ENOSPC and the file, the uncommitted
@@ -215,6 +299,40 @@ def test_a_full_disk_fails_once_naming_enospc_and_the_path_and_leaves_nothing() 
     assert [r.step for r in store.committed()] == [1]
     assert [n for n in FullMemoryFS.store if "step_00000002" in n] == []
     assert _loaded(store, store.latest())["note"] == "v1.0"
+
+
+@pytest.mark.parametrize(("code", "plain"), [
+    (errno.EROFS, "is on a read-only file system"),
+    (errno.EACCES, "is not writable (permission denied)"),
+])
+def test_a_read_only_or_unwritable_location_is_named_in_one_line(code: int, plain: str) -> None:
+    """The store refuses to create a shard: one line naming checkpoint.path, what is wrong
+    with it and the file, as an error no retry can fix."""
+    DenyingMemoryFS.reset(code)
+    store = CheckpointStore("denymem://ck", lineage="run")
+    with pytest.raises(CheckpointWriteError) as info:
+        store.save(1, _state(1.0), keep=3)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"checkpoint.path: denymem://ck {plain}")
+    assert f"{errno.errorcode[code]} ({os.strerror(code)}): denymem://ck/step_00000001-" in message
+    assert not isinstance(info.value, CheckpointIOError)
+
+
+@pytest.mark.parametrize("other", [
+    {"weights": torch.zeros(4, 4), "step": 0, "note": ""},  # another shape
+    {"weights": torch.zeros(3, 4), "bias": torch.zeros(4), "step": 0, "note": ""},  # a new key
+])
+def test_tensors_that_do_not_fit_are_another_model_not_corruption(tmp_path: Path,
+                                                                   other: dict) -> None:
+    """DCP's own refusal (a shape, a key the checkpoint lacks) happens on every retry and
+    says nothing against the files: a CheckpointError, not CheckpointCorrupt (which would
+    make a resume fall back to an older checkpoint of the same model, refused the same way)."""
+    store = CheckpointStore(str(tmp_path), lineage="run")
+    ref = store.save(1, _state(1.0), keep=3)
+    with pytest.raises(CheckpointError) as info:
+        store.load(ref, other)
+    assert not isinstance(info.value, CheckpointCorrupt)
+    assert "belongs to another model" in str(info.value) and "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize(("code", "deterministic"), [

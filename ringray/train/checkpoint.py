@@ -8,12 +8,14 @@ last, safe on any fsspec store (a local disk, s3://, gs://, memory://).
 
 **The commit protocol.** A save writes its shards straight into the directory where they stay,
 ``step_00000042-<token>`` (the token makes every save's directory new, so saving a step again
-never touches an earlier copy). Once every rank has written (a barrier), rank 0 lists the
-directory and writes ``ringray-complete.json``: the step, the run's lineage, the world size,
-the model's config, and every file's size. That marker, written last as one object, is the
-commit. Nothing is renamed (on object stores a rename is a copy and a delete). A crash at any
-point before the marker leaves an uncommitted directory that nothing loads; the previous
-checkpoint stays the newest committed one.
+never touches an earlier copy). Once every rank has written (each sends rank 0 the checksums
+of its files), rank 0 lists the directory and writes ``ringray-complete.json``: the step, the
+run's lineage, the world size, the model's config, and every file's size and CRC-32C
+(:mod:`~ringray.train.checksums`, hashed while DCP writes). That marker, written last as one
+object, is the commit (on a local disk it is written beside and renamed into place, so it is
+whole or absent; the shards are never renamed: on object stores a rename is a copy and a
+delete). A crash at any point before the marker leaves an uncommitted directory that nothing
+loads; the previous checkpoint stays the newest committed one.
 
 **Lineage.** Every run has a lineage id, written into its markers; a resumed run continues the
 lineage of the checkpoint it resumed from (:func:`plan_run`). Pruning deletes only older
@@ -23,10 +25,19 @@ checkpoint (deletes its marker) before deleting its files, so a crash while prun
 leaves a "committed" checkpoint with missing files.
 
 **Refusing corrupt checkpoints.** :meth:`CheckpointStore.verify` compares the files with the
-marker's sizes: a missing or truncated file raises :class:`CheckpointCorrupt` naming it, and
-:func:`restore_candidates` lets a caller fall back to the previous checkpoint. DCP's own
-errors are unwrapped: a full disk or a permission error becomes :class:`CheckpointWriteError`
-(naming the errno and the path), which no retry can fix.
+marker's sizes and checksums: a missing, truncated or changed file raises
+:class:`CheckpointCorrupt` naming it, and :func:`restore_candidates` lets a caller fall back to
+the previous checkpoint; :meth:`CheckpointStore.load` does the same check first (each rank
+hashing a share of the files). A marker that is there but unreadable is a damaged checkpoint:
+a resume tries it, refuses it with the reason, and it is not pruned until a checkpoint of its
+step or a later one commits. Markers of format 2 (sizes, no checksums) still load.
+
+**Errors.** A full disk, a permission or a read-only store while saving is a
+:class:`CheckpointWriteError` (a ``ValueError``: never retried) whose one line names
+``checkpoint.path``, the errno and the file. A peer that fails during a restore is a
+:class:`CheckpointIOError` (retried; the files verified, so the checkpoint is not marked
+corrupt); tensors that do not fit the model are a :class:`CheckpointError`. The taxonomy
+is :mod:`~ringray.train.checkpoint_errors`.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ from __future__ import annotations
 import errno
 import functools
 import json
+import os
 import re
 import time
 import uuid
@@ -44,47 +56,43 @@ from dataclasses import dataclass
 from typing import Any
 
 import fsspec
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ringray.train.checkpoint_errors import (
+    DETERMINISTIC_ERRNOS,
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointIOError,
+    CheckpointWriteError,
+    describe_error,
+    deterministic_errno,
+    is_communication_failure,
+    is_deterministic,
+    load_error,
+    root_cause,
+)
+from ringray.train.checksums import ChecksummingFileSystem, FileChecksum, file_checksum
 from ringray.train.collective import distributed, is_rank0, on_rank0
 
 COMPLETE_MARKER = "ringray-complete.json"
-MARKER_FORMAT = 2
+MARKER_FORMAT = 3  # 3: "crc32c" per file; 2: sizes only ("files"); 1: no lineage
 LEGACY_LINEAGE = "legacy"  # checkpoints committed before lineages (marker format 1)
+UNKNOWN_LINEAGE = "unknown"  # a damaged checkpoint's: its marker cannot be read
 _DIR = re.compile(r"^step_(\d{8})(?:-([0-9a-f]{8}))?(\.partial)?$")
-# Errors no retry can fix: the store is full, read-only, or not ours to write.
-DETERMINISTIC_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM,
-                                  errno.EROFS, errno.ENAMETOOLONG, errno.ENOTDIR})
-
-
-class CheckpointError(ValueError):
-    """A checkpoint problem that a retry cannot fix (a ``ValueError``, so the service does not
-    retry it); the message is one line naming the checkpoint and the cause."""
-
-
-class CheckpointCorrupt(CheckpointError):
-    """A committed checkpoint whose files do not match its marker (missing, truncated), or
-    whose marker cannot be read. ``ref`` is the checkpoint, so a caller can fall back."""
-
-    def __init__(self, message: str, ref: CheckpointRef) -> None:
-        super().__init__(message)
-        self.ref = ref
-
-    def __reduce__(self):  # survives pickling (Ray sends it from a worker to the controller)
-        return (type(self), (str(self), self.ref))
-
-
-class CheckpointWriteError(CheckpointError):
-    """Saving failed for a reason a retry cannot fix (no space, no permission, read-only)."""
-
-
-class CheckpointIOError(RuntimeError):
-    """Saving or loading failed for a reason that may pass (a dropped connection, a peer that
-    died mid-save): recovering from the previous checkpoint is the remedy."""
+# The errors live in checkpoint_errors; they are importable from here too.
+__all__ = [
+    "COMPLETE_MARKER", "DETERMINISTIC_ERRNOS", "CheckpointCorrupt", "CheckpointError",
+    "CheckpointIOError", "CheckpointRef", "CheckpointStore", "CheckpointWriteError",
+    "LocationInUse", "RunPlan", "check_new_run", "describe_error", "deterministic_errno",
+    "is_communication_failure", "is_deterministic", "new_lineage", "plan_run",
+    "restore_candidates", "root_cause",
+]
 
 
 class LocationInUse(ValueError):
@@ -128,41 +136,15 @@ def new_lineage() -> str:
     return uuid.uuid4().hex[:12]
 
 
-def root_cause(exc: BaseException) -> BaseException:
-    """What really went wrong: the first rank's exception inside DCP's ``CheckpointException``
-    (which lists every rank's failure with its traceback), and below that the ``OSError`` a
-    library error was raised from (torch's serializer turns a failed write into a
-    ``RuntimeError`` whose context is the ``OSError``); else ``exc`` itself."""
-    if isinstance(exc, CheckpointException) and exc.failures:
-        first, _trace = next(iter(exc.failures.values()))
-        if isinstance(first, BaseException):
-            return root_cause(first)
-        return exc
-    seen, current = set(), exc
-    while current is not None and id(current) not in seen:
-        if isinstance(current, OSError):
-            return current
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    return exc
-
-
-def describe_error(exc: BaseException) -> str:
-    """One line: ``ENOSPC (No space left on device): /path/file`` for an ``OSError``, else the
-    exception's type and first line."""
-    cause = root_cause(exc)
-    if isinstance(cause, OSError) and cause.errno is not None:
-        name = errno.errorcode.get(cause.errno, str(cause.errno))
-        where = cause.filename or ""
-        return f"{name} ({cause.strerror}){': ' + str(where) if where else ''}"
-    text = str(cause).strip().splitlines()
-    return f"{type(cause).__name__}: {text[0] if text else ''}".rstrip(": ")
-
-
-def is_deterministic(exc: BaseException) -> bool:
-    """Whether a save or load failure would happen again on a retry."""
-    cause = root_cause(exc)
-    return isinstance(cause, OSError) and cause.errno in DETERMINISTIC_ERRNOS
+def _state_bytes(value: Any) -> int:
+    """The bytes of the tensors in a (nested) state dict."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_state_bytes(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(_state_bytes(v) for v in value)
+    return 0
 
 
 class CheckpointStore:
@@ -174,6 +156,8 @@ class CheckpointStore:
         self.lineage = lineage or new_lineage()
         self._fs, self._root = fsspec.core.url_to_fs(self.location)
         self.warnings: list[str] = []  # what went wrong but did not fail a save (for the log)
+        # Checkpoints this process has hashed in full (verify): load does not hash them again.
+        self._content_verified: set[str] = set()
 
     # ----------------------------------------------------------------- reading
     def _entries(self) -> list[str]:
@@ -186,33 +170,79 @@ class CheckpointStore:
             return []
         return [entry.rstrip("/").rsplit("/", 1)[-1] for entry in listing]
 
-    def _marker(self, name: str) -> dict | None:
-        """The parsed marker of directory ``name``; ``None`` if it has none, or one that cannot
-        be read (a commit cut short: treated as not committed)."""
+    def _read_marker(self, name: str) -> tuple[dict | None, str | None]:
+        """The marker of directory ``name``: ``(marker, None)``; ``(None, None)`` when it has
+        none (not committed); ``(None, why)`` when it is there but unreadable. Markers are
+        written whole (:meth:`_write_marker`), so an unreadable one was damaged after its
+        commit: the checkpoint is refused with ``why``, not mistaken for a crashed save."""
         path = f"{self._root}/{name}/{COMPLETE_MARKER}"
         try:
-            with self._fs.open(path, "r") as f:
-                marker = json.load(f)
-        except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
-            return None
-        return marker if isinstance(marker, dict) and "step" in marker else None
+            with self._fs.open(path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            return None, None
+        try:
+            marker = json.loads(raw.decode())
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            return None, f"{type(exc).__name__}: {exc}"
+        if not isinstance(marker, dict) or not isinstance(marker.get("step"), int):
+            return None, "it names no step"
+        return marker, None
 
-    def committed(self) -> list[CheckpointRef]:
-        """Every committed checkpoint at the location (any lineage), oldest commit first."""
-        refs = []
+    def _marker(self, name: str) -> dict | None:
+        return self._read_marker(name)[0]
+
+    def _scan(self) -> tuple[list[CheckpointRef], list[CheckpointRef]]:
+        """The committed checkpoints (any lineage) and the damaged ones (a marker there but
+        unreadable: lineage unknown, step from the directory's name), each oldest first."""
+        committed, damaged = [], []
         for name in self._entries():
             match = _DIR.match(name)
             if not match or match.group(3):  # not a checkpoint, or a legacy .partial
                 continue
-            marker = self._marker(name)
-            if marker is None:
-                continue
-            refs.append(CheckpointRef(
-                step=int(marker["step"]), location=_join(self.location, name),
-                lineage=str(marker.get("lineage", LEGACY_LINEAGE)),
-                committed_unix=float(marker.get("committed_unix", 0.0)),
-            ))
-        return sorted(refs, key=lambda r: (r.committed_unix, r.step))
+            marker, damage = self._read_marker(name)
+            location = _join(self.location, name)
+            if marker is not None:
+                committed.append(CheckpointRef(
+                    step=int(marker["step"]), location=location,
+                    lineage=str(marker.get("lineage", LEGACY_LINEAGE)),
+                    committed_unix=float(marker.get("committed_unix", 0.0)),
+                ))
+            elif damage is not None:
+                damaged.append(CheckpointRef(
+                    step=int(match.group(1)), location=location, lineage=UNKNOWN_LINEAGE,
+                    committed_unix=self._modified_unix(f"{self._root}/{name}/{COMPLETE_MARKER}"),
+                ))
+        def order(r: CheckpointRef) -> tuple[float, int]:
+            return r.committed_unix, r.step
+
+        return sorted(committed, key=order), sorted(damaged, key=order)
+
+    def _modified_unix(self, path: str) -> float:
+        try:
+            modified = self._fs.info(path).get("mtime")
+        except OSError:
+            return 0.0
+        return float(modified) if isinstance(modified, int | float) else 0.0
+
+    def committed(self) -> list[CheckpointRef]:
+        """Every committed checkpoint at the location (any lineage), oldest commit first."""
+        return self._scan()[0]
+
+    def damaged(self) -> list[CheckpointRef]:
+        """Every checkpoint whose marker is there but unreadable, oldest first. Their lineage
+        cannot be read (``UNKNOWN_LINEAGE``); a resume tries them (:meth:`restore_order`) so
+        that each is refused with its reason, and pruning keeps them until a checkpoint of
+        their step or a later one commits."""
+        return self._scan()[1]
+
+    def restore_order(self, lineage: str | None = None) -> list[CheckpointRef]:
+        """What a resume of ``lineage`` (default: this store's) tries, newest step first: its
+        committed checkpoints and every damaged one (refused, with the reason, when tried)."""
+        lineage = lineage or self.lineage
+        committed, damaged = self._scan()
+        refs = [r for r in committed if r.lineage == lineage] + damaged
+        return sorted(refs, key=lambda r: (r.step, r.committed_unix), reverse=True)
 
     def newest_lineage(self) -> str | None:
         """The lineage of the most recently committed checkpoint (the run to resume)."""
@@ -238,31 +268,57 @@ class CheckpointStore:
     def marker(self, ref: CheckpointRef) -> dict:
         """The commit marker of ``ref`` (raises :class:`CheckpointCorrupt` if unreadable)."""
         name = ref.location.rstrip("/").rsplit("/", 1)[-1]
-        marker = self._marker(name)
+        marker, damage = self._read_marker(name)
         if marker is None:
+            what = f"is unreadable ({damage})" if damage else "is missing"
             raise CheckpointCorrupt(f"checkpoint {ref.location}: its marker {COMPLETE_MARKER} "
-                                    f"is missing or unreadable", ref)
+                                    f"{what}", ref)
         return marker
 
     def verify(self, ref: CheckpointRef) -> None:
         """Raise :class:`CheckpointCorrupt` (one line naming the file) unless every file the
-        marker lists is there with its recorded size. Markers without a file list (written
-        before sizes were recorded) are checked for DCP's ``.metadata`` only."""
-        marker = self.marker(ref)
+        marker lists is there with its recorded size and checksum (this process reads them
+        all). Markers of format 2 have sizes only; of format 1, neither: DCP's ``.metadata``
+        must be there."""
+        problem = self._problem(ref, share=(0, 1))
+        if problem is not None:
+            raise CheckpointCorrupt(problem, ref)
+        self._content_verified.add(ref.location)
+
+    def _problem(self, ref: CheckpointRef, *, share: tuple[int, int],
+                 hash_files: bool = True) -> str | None:
+        """What is wrong with ``ref`` (one line), or None: its marker, every file's size, and
+        the checksums of the files in ``share`` (``(index, count)``: every count-th file from
+        the index-th, so that ranks split the reading)."""
+        try:
+            marker = self.marker(ref)
+        except CheckpointCorrupt as exc:
+            return str(exc)
         _, path = fsspec.core.url_to_fs(ref.location)
         files = marker.get("files") or {".metadata": None}
         for name, size in sorted(files.items()):
-            full = f"{path}/{name}"
             try:
-                actual = self._fs.size(full)
+                actual = self._fs.size(f"{path}/{name}")
             except FileNotFoundError:
                 actual = None
             if actual is None:
-                raise CheckpointCorrupt(f"checkpoint {ref.location}: {name} is missing", ref)
+                return f"checkpoint {ref.location}: {name} is missing"
             if size is not None and actual != size:
-                raise CheckpointCorrupt(
-                    f"checkpoint {ref.location}: {name} is {actual} bytes, the commit marker "
-                    f"says {size} ({'truncated' if actual < size else 'changed'})", ref)
+                return (f"checkpoint {ref.location}: {name} is {actual} bytes, the commit "
+                        f"marker says {size} ({'truncated' if actual < size else 'changed'})")
+        checksums = marker.get("crc32c") or {}
+        index, count = share
+        for name in sorted(checksums)[index::count] if hash_files else []:
+            try:
+                with self._fs.open(f"{path}/{name}", "rb") as f:
+                    actual = file_checksum(f).crc32c
+            except FileNotFoundError:
+                return f"checkpoint {ref.location}: {name} is missing"
+            if actual != checksums[name]:
+                return (f"checkpoint {ref.location}: {name} does not match its checksum "
+                        f"(crc32c {actual}, the commit marker says {checksums[name]}): it "
+                        f"changed after it was written")
+        return None
 
     # ----------------------------------------------------------------- writing
     def save(self, step: int, state: dict[str, Any], *, keep: int,
@@ -273,7 +329,7 @@ class CheckpointStore:
 
         Raises:
             CheckpointWriteError: a failure a retry cannot fix (ENOSPC, EACCES, EROFS ...),
-                after removing the uncommitted directory.
+                after removing the uncommitted directory; one line naming checkpoint.path.
             CheckpointIOError: any other failure of the write (also cleaned up).
         """
         if keep < 1:
@@ -283,16 +339,18 @@ class CheckpointStore:
         # so a failure there raises on every rank instead of leaving the others in a barrier.
         name = self._on_coordinator(step, lambda: self._prepare(name))
         directory = _join(self.location, name)
+        writer = self._writer(directory)
         try:
             with _quiet_single_process():
-                dcp.save(state, storage_writer=self._writer(directory))
+                dcp.save(state, storage_writer=writer)
         except (Exception, CheckpointException) as exc:  # DCP raises it on every rank
             # Rank 0 cleans up and says why, for every rank (they must agree on whether a
             # retry can help).
-            why, deterministic = on_rank0(functools.partial(self._diagnose, name, exc))
-            raise self._save_error(step, why, deterministic) from None
-        _barrier()  # every rank's shards are on storage
-        self._on_coordinator(step, lambda: self._commit(name, step, extra or {}))
+            probe_bytes = _state_bytes(state)
+            why, code = on_rank0(functools.partial(self._diagnose, name, exc, probe_bytes))
+            raise self._save_error(step, why, code) from None
+        written = _gathered_on_rank0(writer.fs.written)  # also: every rank's shards are written
+        self._on_coordinator(step, lambda: self._commit(name, step, extra or {}, written))
         if is_rank0():
             try:
                 self._prune(name, keep)
@@ -302,36 +360,40 @@ class CheckpointStore:
         _barrier()
         return CheckpointRef(step=step, location=directory, lineage=self.lineage)
 
-    def _diagnose(self, name: str, exc: BaseException) -> tuple[str, bool]:
-        """Rank 0, after a failed write: remove its directory; the cause, and whether a retry
-        cannot help. When the error does not say (torch's serializer can turn a full disk
-        into ``RuntimeError: unexpected pos``), a probe write as large as the last checkpoint
-        asks the store itself."""
+    def _diagnose(self, name: str, exc: BaseException,
+                  state_bytes: int) -> tuple[str, int | None]:
+        """Rank 0, after a failed write: remove its directory; the cause, and the errno of a
+        failure no retry can fix (None: a retry may help). The writer's stream raises the
+        ``OSError`` of a failed write itself (:mod:`~ringray.train.checksums`); for an error
+        that still does not say, a probe write as large as the last checkpoint (or, at the
+        first, this one's tensors) asks the store itself."""
         try:
             self._remove(name)
         except Exception as cleanup:  # reported with the cause, which matters more
             self.warnings.append(f"could not remove {name}: {describe_error(cleanup)}")
-        if is_deterministic(exc):
-            return describe_error(exc), True
+        code = deterministic_errno(exc)
+        if code is not None:
+            return describe_error(exc), code
         probe = f"{self._root}/.ringray-probe-{uuid.uuid4().hex[:8]}"
         try:
-            self._fs.pipe(probe, bytes(self._probe_bytes()))
+            self._fs.pipe(probe, bytes(self._probe_bytes(state_bytes)))
         except OSError as probe_error:
-            if is_deterministic(probe_error):
+            code = deterministic_errno(probe_error)
+            if code is not None:
                 return f"{describe_error(probe_error)} (found by a probe write after " \
-                       f"{describe_error(exc)})", True
+                       f"{describe_error(exc)})", code
         finally:
             try:
                 if self._fs.exists(probe):
                     self._fs.rm(probe)
             except OSError:
                 pass
-        return describe_error(exc), False
+        return describe_error(exc), None
 
-    def _probe_bytes(self) -> int:
-        """As many bytes as the newest committed checkpoint of this lineage holds (1 MiB to
-        64 MiB): what the failed save would have needed, about."""
-        size = 1 << 20
+    def _probe_bytes(self, state_bytes: int) -> int:
+        """As many bytes as the newest committed checkpoint of this lineage holds, or else
+        ``state_bytes`` (1 MiB to 64 MiB): what the failed save would have needed, about."""
+        size = state_bytes
         newest = self.of_lineage()
         if newest:
             try:
@@ -344,9 +406,15 @@ class CheckpointStore:
         self._fs.makedirs(self._root, exist_ok=True)
         return name
 
-    def _save_error(self, step: int, why: str, deterministic: bool) -> CheckpointError:
-        kind = CheckpointWriteError if deterministic else CheckpointIOError
-        return kind(f"checkpoint of step {step} at {self.location} failed: {why}")
+    def _save_error(self, step: int, why: str, code: int | None) -> CheckpointError:
+        """One line: for a failure no retry can fix (``code``, its errno), what it says about
+        checkpoint.path and what to do; else the failure, to be retried."""
+        if code is None:
+            return CheckpointIOError(f"checkpoint of step {step} at {self.location} failed: {why}")
+        plain, remedy = DETERMINISTIC_ERRNOS[code]
+        return CheckpointWriteError(
+            f"checkpoint.path: {self.location} {plain}: the checkpoint of step {step} was not "
+            f"written ({why}); {remedy} or set checkpoint.path to another place")
 
     def _on_coordinator(self, step: int, work: Callable[[], Any]) -> Any:
         """Run ``work`` on rank 0 and give its result to every rank; if it raised, every rank
@@ -355,32 +423,60 @@ class CheckpointStore:
             try:
                 return work()
             except Exception as exc:
-                raise self._save_error(step, describe_error(exc), is_deterministic(exc)) from None
+                raise self._save_error(step, describe_error(exc),
+                                       deterministic_errno(exc)) from None
 
         return on_rank0(classified)
 
-    def _commit(self, name: str, step: int, extra: dict) -> None:
+    def _commit(self, name: str, step: int, extra: dict,
+                written: dict[str, FileChecksum]) -> None:
         """Rank 0: list the files and write the marker, last (on failure the directory is
         removed: an uncommitted save leaves nothing behind)."""
         try:
-            self._write_marker(name, step, extra)
+            self._write_marker(name, step, extra, written)
         except BaseException:
             self._remove(name)
             raise
 
-    def _write_marker(self, name: str, step: int, extra: dict) -> None:
+    def _write_marker(self, name: str, step: int, extra: dict,
+                      written: dict[str, FileChecksum]) -> None:
+        """The marker lists every file with its size (as stored) and CRC-32C (as written,
+        from ``written``; a file DCP did not write front to back is read back and hashed)."""
         path = f"{self._root}/{name}"
-        files = {}
-        for full, info in self._fs.find(path, detail=True).items():
+        files, checksums = {}, {}
+        for full, info in sorted(self._fs.find(path, detail=True).items()):
             relative = full[len(path):].lstrip("/")
-            if relative and relative != COMPLETE_MARKER and info.get("type") != "directory":
-                files[relative] = int(info["size"])
+            if not relative or relative.startswith(COMPLETE_MARKER) or \
+                    info.get("type") == "directory":
+                continue
+            files[relative] = size = int(info["size"])
+            checksum = written.get(relative)
+            if checksum is None:
+                with self._fs.open(full, "rb") as f:
+                    checksum = file_checksum(f)
+            if checksum.size_bytes != size:  # the store kept something else than was written
+                raise OSError(errno.EIO, f"{size} bytes stored, {checksum.size_bytes} written",
+                              full)
+            checksums[relative] = checksum.crc32c
         marker = {
             "format": MARKER_FORMAT, "step": step, "lineage": self.lineage,
             "world_size": dist.get_world_size() if distributed() else 1,
-            "committed_unix": time.time(), "files": files, **extra,
+            "committed_unix": time.time(), "files": files, "crc32c": checksums, **extra,
         }
-        self._fs.pipe(f"{path}/{COMPLETE_MARKER}", json.dumps(marker).encode())
+        self._put_whole(f"{path}/{COMPLETE_MARKER}", json.dumps(marker).encode())
+
+    def _put_whole(self, path: str, data: bytes) -> None:
+        """Write ``data`` so that a crash leaves all of it or nothing: one object on a store
+        (a single put), on a local disk a synced file beside it renamed into place."""
+        if not isinstance(self._fs, LocalFileSystem):
+            self._fs.pipe(path, data)
+            return
+        partial = f"{path}.partial"
+        with open(partial, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, path)
 
     def _remove(self, name: str) -> None:
         """Delete directory ``name``: its marker first (un-commit), then the rest."""
@@ -396,18 +492,27 @@ class CheckpointStore:
     def _prune(self, just_committed: str, keep: int) -> None:
         """Rank 0, after a commit: keep this lineage's newest ``keep`` steps (one copy each, the
         latest commit) and delete its older checkpoints and every uncommitted directory left
-        by a crashed save. Other lineages' checkpoints are never touched."""
+        by a crashed save. A damaged checkpoint goes only once this commit's step reaches
+        its step (until then it may be the one a person repairs). Other lineages' committed
+        checkpoints are never touched."""
+        committed, damaged = self._scan()
+        ours = sorted((r for r in committed if r.lineage == self.lineage),
+                      key=lambda r: (r.step, r.committed_unix), reverse=True)
         kept_steps: list[int] = []
-        for ref in self.of_lineage():
-            name = ref.location.rstrip("/").rsplit("/", 1)[-1]
+        for ref in ours:
+            name = _name(ref)
             if name == just_committed or (ref.step not in kept_steps and len(kept_steps) < keep):
                 if ref.step not in kept_steps:
                     kept_steps.append(ref.step)
                 continue
             self._remove(name)
-        committed = {r.location.rstrip("/").rsplit("/", 1)[-1] for r in self.committed()}
+        step = int(_DIR.match(just_committed).group(1))
+        for ref in damaged:
+            if ref.step <= step:
+                self._remove(_name(ref))
+        known = {_name(r) for r in committed + damaged}
         for name in self._entries():
-            if _DIR.match(name) and name not in committed and name != just_committed:
+            if _DIR.match(name) and name not in known and name != just_committed:
                 self._remove(name)
 
     def move_aside(self) -> str:
@@ -420,30 +525,75 @@ class CheckpointStore:
 
     # ----------------------------------------------------------------- loading
     def load(self, ref: CheckpointRef, state: dict[str, Any]) -> None:
-        """Fill ``state`` in place from ``ref``, after :meth:`verify`.
+        """Fill ``state`` in place from ``ref`` (collective, as ``dcp.load`` is), after the
+        checks of :meth:`verify`: each rank hashes a share of the files and every rank raises
+        the same error. Verified files make a failure inside ``dcp.load`` something other
+        than corruption, unless the marker has no checksums (format 2).
 
         Raises:
-            CheckpointCorrupt: files missing or truncated, or DCP cannot read them.
-            CheckpointIOError: a failure that may pass (a dropped connection).
+            CheckpointCorrupt: files missing, truncated or changed, or DCP cannot read them.
+            CheckpointError: the tensors do not fit ``state`` (another model's checkpoint).
+            CheckpointIOError: a failure that may pass (a dropped connection, a peer that
+                died during the restore).
         """
-        self.verify(ref)
+        self._verify_on_every_rank(ref)
         try:
             with _quiet_single_process():
                 dcp.load(state, storage_reader=self._reader(ref.location))
         except (Exception, CheckpointException) as exc:
-            cause = root_cause(exc)
-            if isinstance(cause, OSError) and not is_deterministic(exc) and not isinstance(
-                    cause, FileNotFoundError):
-                raise CheckpointIOError(f"checkpoint {ref.location}: "
-                                        f"{describe_error(exc)}") from None
-            raise CheckpointCorrupt(f"checkpoint {ref.location} cannot be read: "
-                                    f"{describe_error(exc)}", ref) from None
+            raise load_error(ref, exc) from None
 
-    def _writer(self, location: str):
-        return FsspecWriter(location) if _is_url(location) else FileSystemWriter(location)
+    def _verify_on_every_rank(self, ref: CheckpointRef) -> None:
+        """:meth:`verify` split over the ranks (rank r hashes every world-th file from the
+        r-th; one that :meth:`verify` passed here already, none), the first problem raised on
+        every rank."""
+        rank, world = (dist.get_rank(), dist.get_world_size()) if distributed() else (0, 1)
+        try:
+            problem = self._problem(ref, share=(rank, world),
+                                    hash_files=ref.location not in self._content_verified)
+            finding = None if problem is None else ("corrupt", problem)
+        except OSError as exc:  # the store failed to answer, not the checkpoint
+            finding = ("io", f"checkpoint {ref.location}: {describe_error(exc)}")
+        if distributed():
+            findings: list = [None] * world
+            try:
+                dist.all_gather_object(findings, finding)
+            except Exception as exc:
+                raise CheckpointIOError(f"checkpoint {ref.location}: verifying it failed with "
+                                        f"a peer ({describe_error(exc)})") from None
+            finding = next((f for f in findings if f is not None), None)
+        if finding is not None:
+            kind, message = finding
+            if kind == "io":
+                raise CheckpointIOError(message)
+            raise CheckpointCorrupt(message, ref)
+
+    def _writer(self, location: str) -> FileSystemWriter:
+        """DCP's writer, with every file hashed as it is written."""
+        writer = FsspecWriter(location) if _is_url(location) else FileSystemWriter(location)
+        writer.fs = ChecksummingFileSystem(writer.fs)
+        return writer
 
     def _reader(self, location: str):
         return FsspecReader(location) if _is_url(location) else FileSystemReader(location)
+
+
+def _name(ref: CheckpointRef) -> str:
+    """The directory name of ``ref``."""
+    return ref.location.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _gathered_on_rank0(written: dict[str, FileChecksum]) -> dict[str, FileChecksum]:
+    """Every rank's checksums, merged, on rank 0 ({} elsewhere): collective, and each rank
+    sends only once its own files are written, so rank 0 has them all when it returns."""
+    if not distributed():
+        return dict(written)
+    parts: list | None = [None] * dist.get_world_size() if is_rank0() else None
+    dist.gather_object(written, parts, dst=0)
+    merged: dict[str, FileChecksum] = {}
+    for part in parts or []:
+        merged.update(part)
+    return merged
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -458,18 +608,18 @@ class RunPlan:
 def plan_run(store: CheckpointStore, *, resume: bool, move_aside: bool) -> RunPlan:
     """Decide a run's lineage and what it restores (rank 0, before any training).
 
-    - ``resume``: continue the newest lineage at the location (its checkpoints, newest first),
-      or start a new one when there is none.
+    - ``resume``: continue the newest lineage at the location (its checkpoints, newest first,
+      with any damaged one in its place by step, to be refused with its reason), or start a
+      new one when there is none.
     - not ``resume`` and the location is empty: a new lineage.
-    - not ``resume`` with checkpoints present: refused (:class:`LocationInUse`, one line
-      naming the location), unless ``move_aside``: they are moved to ``<location>.previous-
-      <time>`` first. Two runs' checkpoints never mix.
+    - not ``resume`` with checkpoints present (damaged ones too): refused
+      (:class:`LocationInUse`, one line naming the location), unless ``move_aside``: they are
+      moved to ``<location>.previous-<time>`` first. Two runs' checkpoints never mix.
     """
     if resume:
         lineage = store.newest_lineage()
-        if lineage is None:
-            return RunPlan(lineage=new_lineage(), restore=())
-        return RunPlan(lineage=lineage, restore=tuple(store.of_lineage(lineage)))
+        restore = tuple(store.restore_order(lineage or UNKNOWN_LINEAGE))
+        return RunPlan(lineage=lineage or new_lineage(), restore=restore)
     if not check_new_run(store, move_aside=move_aside):
         return RunPlan(lineage=new_lineage(), restore=())
     return RunPlan(lineage=new_lineage(), restore=(), moved_aside_to=store.move_aside())
@@ -479,15 +629,15 @@ def check_new_run(store: CheckpointStore, *, move_aside: bool) -> bool:
     """Whether a new run (``resume`` off) finds another run's checkpoints at the location
     (then ``move_aside`` must be on); raises :class:`LocationInUse` when they are there and
     it is not. Reads only: :func:`plan_run` does the moving."""
-    committed = store.committed()
-    if committed and not move_aside:
-        newest = max(committed, key=lambda r: r.step)
+    present = store.committed() + store.damaged()
+    if present and not move_aside:
+        newest = max(present, key=lambda r: r.step)
         raise LocationInUse(
             f"checkpoint.resume: false, but {store.location} holds checkpoints of an earlier "
             f"run (up to step {newest.step}); resume it (checkpoint.resume: true), give "
             f"checkpoint.path a new place, or set checkpoint.move_aside: true"
         )
-    return bool(committed)
+    return bool(present)
 
 
 def restore_candidates(
