@@ -189,9 +189,6 @@ class CheckpointStore:
             return None, "it names no step"
         return marker, None
 
-    def _marker(self, name: str) -> dict | None:
-        return self._read_marker(name)[0]
-
     def _scan(self) -> tuple[list[CheckpointRef], list[CheckpointRef]]:
         """The committed checkpoints (any lineage) and the damaged ones (a marker there but
         unreadable: lineage unknown, step from the directory's name), each oldest first."""
@@ -213,10 +210,7 @@ class CheckpointStore:
                     step=int(match.group(1)), location=location, lineage=UNKNOWN_LINEAGE,
                     committed_unix=self._modified_unix(f"{self._root}/{name}/{COMPLETE_MARKER}"),
                 ))
-        def order(r: CheckpointRef) -> tuple[float, int]:
-            return r.committed_unix, r.step
-
-        return sorted(committed, key=order), sorted(damaged, key=order)
+        return sorted(committed, key=_by_commit), sorted(damaged, key=_by_commit)
 
     def _modified_unix(self, path: str) -> float:
         try:
@@ -576,6 +570,10 @@ class CheckpointStore:
 
     def _reader(self, location: str):
         return FsspecReader(location) if _is_url(location) else FileSystemReader(location)
+
+
+def _by_commit(ref: CheckpointRef) -> tuple[float, int]:
+    return ref.committed_unix, ref.step
 
 
 def _name(ref: CheckpointRef) -> str:
