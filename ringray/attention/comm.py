@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ringray.attention.backends.common import accumulation_dtype
+from ringray.attention.groups import group_timeout
 from ringray.attention.stats import interval_timer
 
 _AGREEMENT_GROUPS: dict[tuple[int, ...], tuple[object, dist.ProcessGroup]] = {}
@@ -33,7 +34,8 @@ def agreement_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     known = _AGREEMENT_GROUPS.get(ranks)
     if known is not None and known[0] is world:
         return known[1]
-    side = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+    side = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True,
+                          timeout=group_timeout(group))
     _AGREEMENT_GROUPS[ranks] = (world, side)
     return side
 

@@ -42,8 +42,10 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from ringray.attention.comm import RingComm, agree_max
+from ringray.attention.groups import group_timeout, with_timeout
 from ringray.attention.stats import IntervalTimer, RingStats
 
 
@@ -126,19 +128,18 @@ def check_grid(ring: RingComm, ulysses: UlyssesComm) -> None:
 
 def grid_groups(ulysses: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """This rank's (ring group, Ulysses group) of the default group's ranks laid out as
-    ``arange(world).view(R, ulysses)``: rows are Ulysses groups, columns rings. Collective:
-    every rank of the default group calls it, once (it creates every group)."""
-    world, me = dist.get_world_size(), dist.get_rank()
+    ``arange(world).view(R, ulysses)``: rows are Ulysses groups, columns rings. One
+    ``DeviceMesh`` (dimensions ``ring`` and ``ulysses``) makes them, each with the default
+    group's timeout (:mod:`ringray.attention.groups`). Collective: every rank of the default
+    group calls it, once."""
+    world = dist.get_world_size()
     if ulysses < 1 or world % ulysses:
         raise ValueError(f"ulysses: {ulysses} does not divide the world of {world} ranks")
-    grid = torch.arange(world).view(world // ulysses, ulysses)
-    mine: dict[str, dist.ProcessGroup] = {}
-    for kind, lines in (("ring", grid.t()), ("ulysses", grid)):
-        for line in lines.tolist():
-            group = dist.new_group(line)  # every rank creates every group, in one order
-            if me in line:
-                mine[kind] = group
-    return mine["ring"], mine["ulysses"]
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    dims = ("ring", "ulysses")
+    mesh = init_device_mesh(device_type, (world // ulysses, ulysses), mesh_dim_names=dims,
+                            backend_override=with_timeout(dims, group_timeout()))
+    return mesh.get_group("ring"), mesh.get_group("ulysses")
 
 
 # ----------------------------------------------------------------- packing (pure, no comm)

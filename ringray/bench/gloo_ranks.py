@@ -32,7 +32,7 @@ def free_loopback_port() -> int:
         return sock.getsockname()[1]
 
 
-def _entry(rank, world_size, port, fn, args, results, threads) -> None:
+def _entry(rank, world_size, port, fn, args, results, threads, collective_timeout) -> None:
     # Keep gloo's connections on loopback: these are single-machine runs.
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     import torch
@@ -42,7 +42,7 @@ def _entry(rank, world_size, port, fn, args, results, threads) -> None:
     try:
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-            world_size=world_size, timeout=timedelta(seconds=300),
+            world_size=world_size, timeout=timedelta(seconds=collective_timeout),
         )
         # Plain pickle, not the queue's: torch's reducers would pass tensors as shared-memory
         # handles that die with this process, which exits right after reporting.
@@ -74,14 +74,17 @@ def _collect(results, procs, got: dict, timeout_seconds: float) -> None:
 
 
 def run_gloo_ranks(
-    world_size: int, fn, *args: Any, timeout_seconds: float = 600, threads: int = 1
+    world_size: int, fn, *args: Any, timeout_seconds: float = 600, threads: int = 1,
+    collective_timeout_seconds: float = 300,
 ) -> list[Any]:
-    """Run ``fn`` on ``world_size`` fresh processes; raise :class:`RanksFailed` on error."""
+    """Run ``fn`` on ``world_size`` fresh processes; raise :class:`RanksFailed` on error.
+    ``collective_timeout_seconds`` is the default group's timeout (the job's)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_loopback_port()
     procs = [
-        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, results, threads),
+        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, results, threads,
+                                         collective_timeout_seconds),
                     daemon=True)
         for r in range(world_size)
     ]

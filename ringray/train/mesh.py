@@ -2,7 +2,13 @@
 
     shape = resolve_mesh_shape(world_size=8, dp=2, cp=None)   # cp inferred: 4
     shape = resolve_mesh_shape(world_size=8, dp=2, cp=4, ulysses=2)  # ring 2 × ulysses 2
-    mesh = build_mesh(shape)                                   # needs torch.distributed
+    mesh = build_mesh(shape, device_type="cpu")                # needs torch.distributed
+
+One ``DeviceMesh`` with named dimensions ``("dp", "ring", "ulysses")`` holds every group a
+rank uses: the ring, the Ulysses group and the data-parallel group are its dimensions, the
+``cp`` group (ring × ulysses) and FSDP's mesh (every dimension) are flattened from it. Every
+group gets the default group's timeout, the job's collective timeout (``init_device_mesh``
+would give each the backend's default; :mod:`ringray.attention.groups`).
 
 Ranks are laid out as ``arange(world).view(dp, ring, ulysses)``: global rank = dp_index × cp
 + ring_index × ulysses + ulysses_index, with cp = ring × ulysses. The ``cp`` ranks of one
@@ -19,9 +25,12 @@ flattened (rank order is already the flattened dp × cp order; :mod:`ringray.tra
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
-import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ringray.attention.groups import backend_options, group_timeout, with_timeout
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,13 +102,22 @@ def resolve_mesh_shape(*, world_size: int, dp: int | None, cp: int | None,
     return MeshShape(dp=dp, cp=cp, ulysses=ulysses)
 
 
+MESH_DIMS = ("dp", "ring", "ulysses")
+"""The named dimensions of the job's device mesh, outermost first (rank-major order)."""
+CP_DIM = "cp"
+"""The flattened ring × ulysses dimension: every rank of this rank's sequences."""
+FSDP_DIM = "dp_shard_cp"
+"""The flattened dp × cp dimension FSDP shards over (:mod:`ringray.train.sharding`)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Mesh:
     """This rank's place in the mesh and its process groups (``None`` in a 1-process run).
 
     ``cp_group`` holds every rank of this rank's sequences; ``ring_group`` is the ring this
     rank's K/V blocks go round (``cp_group`` itself without Ulysses); ``ulysses_group`` the
-    ranks it exchanges heads with (``None`` without Ulysses, ``parallel.ulysses`` 1)."""
+    ranks it exchanges heads with (``None`` without Ulysses, ``parallel.ulysses`` 1);
+    ``device_mesh`` the named mesh they all come from and ``fsdp_mesh`` its flattening."""
 
     shape: MeshShape
     rank: int
@@ -109,15 +127,20 @@ class Mesh:
     dp_group: dist.ProcessGroup | None
     ring_group: dist.ProcessGroup | None = None
     ulysses_group: dist.ProcessGroup | None = None
+    device_mesh: DeviceMesh | None = None
+    fsdp_mesh: DeviceMesh | None = None
+    timeout: timedelta | None = None
+    """Every group's collective timeout (the default group's)."""
 
     @property
     def distributed(self) -> bool:
         return self.shape.world_size > 1
 
 
-def build_mesh(shape: MeshShape) -> Mesh:
-    """Create the CP and DP groups, and with Ulysses the ring and Ulysses groups, for
-    ``shape`` (every rank must call this, in step)."""
+def build_mesh(shape: MeshShape, *, device_type: str = "cpu") -> Mesh:
+    """The job's device mesh for ``shape`` on ``device_type`` ("cpu" for gloo, "cuda" for
+    NCCL) and this rank's groups from it, each with the default group's timeout (every rank
+    must call this, in step)."""
     if not (dist.is_available() and dist.is_initialized()):
         if shape.world_size != 1:
             raise ValueError(
@@ -131,32 +154,20 @@ def build_mesh(shape: MeshShape) -> Mesh:
             f"parallel: dp × cp = {shape.dp} × {shape.cp} = {shape.world_size}, "
             f"but the world has {world} rank(s)"
         )
-    grid = torch.arange(world).view(shape.dp, shape.cp)
+    timeout = group_timeout()
+    override = backend_options(timeout)
+    device_mesh = init_device_mesh(
+        device_type, (shape.dp, shape.ring, shape.ulysses), mesh_dim_names=MESH_DIMS,
+        backend_override=with_timeout(MESH_DIMS, timeout))
+    cp_mesh = (device_mesh["ring"] if shape.ulysses == 1
+               else device_mesh["ring", "ulysses"]._flatten(CP_DIM, backend_override=override))
+    fsdp_mesh = device_mesh[MESH_DIMS]._flatten(FSDP_DIM, backend_override=override)
     dp_rank, cp_rank = shape.coords(rank)
-    cp_group = dp_group = None
-    # new_group is collective: every rank creates every group, in the same order.
-    for row in grid.tolist():
-        group = dist.new_group(row)
-        if rank in row:
-            cp_group = group
-    for column in grid.t().tolist():
-        group = dist.new_group(column)
-        if rank in column:
-            dp_group = group
-    ring_group, ulysses_group = cp_group, None
-    if shape.ulysses > 1:
-        # Each dp index's cp ranks as (ring, ulysses): columns are rings, rows Ulysses groups.
-        cells = grid.view(shape.dp, shape.ring, shape.ulysses)
-        for ring in cells.transpose(1, 2).reshape(-1, shape.ring).tolist():
-            group = dist.new_group(ring)
-            if rank in ring:
-                ring_group = group
-        for run in cells.reshape(-1, shape.ulysses).tolist():
-            group = dist.new_group(run)
-            if rank in run:
-                ulysses_group = group
+    cp_group = cp_mesh.get_group()
     return Mesh(
         shape=shape, rank=rank, dp_rank=dp_rank, cp_rank=cp_rank,
-        cp_group=cp_group, dp_group=dp_group, ring_group=ring_group,
-        ulysses_group=ulysses_group,
+        cp_group=cp_group, dp_group=device_mesh.get_group("dp"),
+        ring_group=device_mesh.get_group("ring") if shape.ulysses > 1 else cp_group,
+        ulysses_group=device_mesh.get_group("ulysses") if shape.ulysses > 1 else None,
+        device_mesh=device_mesh, fsdp_mesh=fsdp_mesh, timeout=timeout,
     )

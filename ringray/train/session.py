@@ -34,7 +34,6 @@ from ringray.train.checkpoint import (
     RunPlan,
     plan_run,
 )
-from ringray.train.collective import on_rank0
 from ringray.train.options import TrainOptions
 from ringray.train.step_stats import StepStats
 from ringray.train.trainer import Trainer
@@ -65,12 +64,13 @@ def plan_session(options: TrainOptions, *, lineage: str | None = None) -> RunPla
     checkpoint location. At a run's first start (``lineage`` None) per the job's
     ``checkpoint.resume`` and ``checkpoint.move_aside`` (:func:`~ringray.train.checkpoint.
     plan_run`, which may move an earlier run aside or refuse to start); on a restart of the
-    same run, the committed checkpoints of ``lineage``."""
+    same run, the checkpoints of ``lineage`` newest first, damaged ones included (refused with
+    their reason when tried, never skipped silently)."""
     store = CheckpointStore(options.checkpoint_location)
     if lineage is None:
         return plan_run(store, resume=options.checkpoint.resume,
                         move_aside=options.checkpoint.move_aside)
-    return RunPlan(lineage=lineage, restore=tuple(store.of_lineage(lineage)))
+    return RunPlan(lineage=lineage, restore=tuple(store.restore_order(lineage)))
 
 
 def checkpoint_due(step: int, options: TrainOptions) -> bool:
@@ -112,8 +112,7 @@ class TrainingSession:
         """
         refused: list[CheckpointCorrupt] = []
         for ref in self.run.restore:
-            try:
-                on_rank0(lambda ref=ref: self.store.verify(ref))
+            try:  # the load verifies sizes and checksums first, every rank its share
                 self.trainer.load_checkpoint(self.store, ref)
             except CheckpointCorrupt as exc:
                 refused.append(exc)

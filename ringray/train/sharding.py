@@ -1,7 +1,7 @@
 """How weights and gradients are spread over the mesh: replicated, or sharded with FSDP2.
 
     if options.parallel.fsdp:
-        shard_model(model, fsdp_mesh(shape, device), param_dtype=torch.bfloat16)
+        shard_model(model, mesh.fsdp_mesh, param_dtype=torch.bfloat16)  # mesh: train.mesh
     ...  # forward, backward: FSDP's reduce-scatter sums the gradients
     else: all_reduce_gradients(model)                  # replicated: one all-reduce
     grad_norm = clip_gradients_(model.parameters(), max_norm)   # the global norm, either way
@@ -16,8 +16,9 @@ parameter, so it stays in this one unit) another, sharded over the *flattened* d
 context-parallel ranks hold different tokens of the same sequences, so they need the same
 weights exactly as data-parallel ranks do, and their per-token partial gradients are summed
 by the same reduce-scatter. Ranks are numbered ``arange(world).view(dp, cp)``, so the
-flattened mesh is simply the world in rank order; it is built as a 1-D ``DeviceMesh`` (a 2-D
-slice would make ``fully_shard`` replicate over the first dimension: HSDP).
+flattened mesh is simply the world in rank order; it is the job's device mesh flattened to
+one dimension (:data:`ringray.train.mesh.FSDP_DIM`; a 2-D slice would make ``fully_shard``
+replicate over the first dimension: HSDP).
 
 **Exact gradients.** Each rank backpropagates its token sum divided by the *global* token
 count, so the gradient is the plain sum over ranks. FSDP would divide by the world size (an
@@ -40,20 +41,11 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from ringray.model import Transformer
-from ringray.train.mesh import MeshShape
-
-FSDP_MESH_DIM = "dp_shard_cp"
-"""The one dimension of the FSDP mesh: data-parallel and context-parallel ranks together."""
-
-
-def fsdp_mesh(shape: MeshShape, device: torch.device) -> DeviceMesh:
-    """The flattened dp × cp mesh, on ``device``'s type (collective: every rank calls it)."""
-    return init_device_mesh(device.type, (shape.world_size,), mesh_dim_names=(FSDP_MESH_DIM,))
 
 
 def shard_model(model: Transformer, mesh: DeviceMesh, *,

@@ -69,7 +69,6 @@ from ringray.train.schedule import learning_rate
 from ringray.train.sharding import (
     all_reduce_gradients,
     clip_gradients_,
-    fsdp_mesh,
     shard_model,
 )
 from ringray.train.step_stats import REPORT_FIELDS, StepStats, summarize_step
@@ -128,7 +127,7 @@ class Trainer:
         shape = resolve_mesh_shape(world_size=world, dp=options.parallel.dp,
                                    cp=options.parallel.cp, ulysses=options.parallel.ulysses)
         self.layout = self._checked_layout(options, shape.dp, shape.cp)
-        self.mesh: Mesh = build_mesh(shape)
+        self.mesh: Mesh = build_mesh(shape, device_type=self.device.type)
         self.ring_stats = RingStats()
         self.ring = RingContext(
             layout=self.layout, rank=self.mesh.cp_rank, group=self.mesh.ring_group,
@@ -162,7 +161,7 @@ class Trainer:
         # there is nothing for autocast to cast; with one rank there is nothing to shard.
         self.sharded = options.parallel.fsdp and self.mesh.distributed
         if self.sharded:
-            shard_model(self.model, fsdp_mesh(shape, self.device),
+            shard_model(self.model, self.mesh.fsdp_mesh,
                         param_dtype=self.compute_dtype)
         self.autocast_dtype = None if self.sharded else self.compute_dtype
         self.optimizer = self._make_optimizer()
