@@ -33,7 +33,7 @@ from ringray.cluster.machine import JobMachine
 from ringray.cluster.record import JobRecord
 from ringray.cluster.states import Failed, Placing, State
 from ringray.cluster.status import JobState, JobStatus
-from ringray.cluster.worker_group import RayWorkerGroup, request_resources
+from ringray.cluster.worker_group import RayWorkerGroup
 from ringray.metrics.exporter import JobMetrics
 from ringray.train.run_lock import RunDirInUse
 
@@ -116,8 +116,10 @@ class JobController:
                 self.record.event(f"teardown after the controller error failed: "
                                   f"{teardown_exc}", exc=teardown_exc)
         finally:
-            if self.job.cluster.request_resources:
-                request_resources([])
+            try:
+                self.workers.withdraw_request()
+            except Exception as exc:  # the job has ended either way
+                self.record.event(f"withdrawing the autoscaler request failed: {exc}", exc=exc)
             self.record.run_dir.close()
         error = state.error if isinstance(state, Failed) else None
         if error:

@@ -2,6 +2,8 @@
 
 The controller creates one per rank inside the job's placement group, then drives it:
 
+    place = worker.devices()                            # every rank: node, GPU ids, interface
+    worker.set_up_devices(setup)                        # plan_devices(places)[rank]
     host, port = worker0.rendezvous_address()          # rank 0 only
     worker.join(host=host, port=port, backend="gloo", timeout_seconds=60)   # every rank
     plan = worker0.run_plan(options, lineage=None)      # rank 0 reads the checkpoint location
@@ -19,16 +21,26 @@ process group is formed exactly once per process.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
+import struct
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 
 import ray
+import torch
 import torch.distributed as dist
 
+from ringray.cluster.devices import (
+    SOCKET_IFNAME_VARIABLES,
+    DeviceSetup,
+    WorkerPlace,
+    interface_of,
+    socket_variables,
+)
 from ringray.cluster.status import WorkerHealth
 from ringray.data import PasskeyReport
 from ringray.train import StepStats, TrainOptions
@@ -48,6 +60,7 @@ class TrainWorker:
         self.world_size = world_size
         self.session: TrainingSession | None = None
         self._busy_since: float | None = None
+        self._cuda_device: int | None = None  # set by set_up_devices on a GPU worker
 
     # ----------------------------------------------------------------- probe
     def health(self) -> WorkerHealth:
@@ -59,6 +72,31 @@ class TrainWorker:
             step=self.session.step_count if self.session is not None else 0,
             busy_seconds=busy,
         )
+
+    # ----------------------------------------------------------------- devices
+    def devices(self) -> WorkerPlace:
+        """Where this worker runs: its node, the GPUs Ray gave it, the interface holding the
+        node's address."""
+        return WorkerPlace(
+            node_id=ray.get_runtime_context().get_node_id(),
+            gpu_ids=tuple(str(i) for i in ray.get_runtime_context().get_accelerator_ids()
+                          .get("GPU", [])),
+            interface=interface_of(ray.util.get_node_ip_address(), _interface_addresses()),
+        )
+
+    def set_up_devices(self, setup: DeviceSetup) -> None:
+        """See every GPU of the job on this node and use this worker's own; the collective
+        interfaces the user has not chosen. Before anything touches CUDA or forms a group."""
+        os.environ.update(socket_variables(setup, os.environ))
+        if setup.visible_devices is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = setup.visible_devices
+            self._cuda_device = setup.local_rank
+
+    def environment(self) -> dict[str, str | int | None]:
+        """The device settings this worker runs with (for tests and ``ringray status``)."""
+        names = ("CUDA_VISIBLE_DEVICES", *SOCKET_IFNAME_VARIABLES)
+        return {**{name: os.environ.get(name) for name in names},
+                "cuda_device": self._cuda_device}
 
     # ----------------------------------------------------------------- process groups
     def rendezvous_address(self) -> tuple[str, int]:
@@ -113,7 +151,10 @@ class TrainWorker:
 
     @contextmanager
     def _busy(self) -> Iterator[None]:
-        """Mark a call in progress, for :meth:`health`."""
+        """Mark a call in progress, for :meth:`health`; on a GPU worker, make its device
+        current (actor calls run on threads, and the current device is per thread)."""
+        if self._cuda_device is not None:
+            torch.cuda.set_device(self._cuda_device)
         self._busy_since = time.monotonic()
         try:
             yield
@@ -124,3 +165,20 @@ class TrainWorker:
         if self.session is None:
             raise RuntimeError(f"rank {self.rank}: build() must run before training calls")
         return self.session
+
+
+_SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
+
+
+def _interface_addresses() -> dict[str, list[str]]:
+    """Each network interface's IPv4 address (Linux; interfaces without one are left out)."""
+    addresses = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR,
+                                     struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+            addresses[name] = [socket.inet_ntoa(packed[20:24])]
+    return addresses

@@ -24,6 +24,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from ringray.cluster.devices import plan_devices
 from ringray.cluster.errors import CallTimeout, JobError, WorkerGroupFailure
 from ringray.cluster.job_options import JobOptions
 from ringray.cluster.nodes import NODE_ID_LABEL, schedulable_nodes
@@ -36,6 +37,7 @@ from ringray.cluster.placement import (
 )
 from ringray.cluster.policy import Drain, Failure, FailureKind
 from ringray.cluster.record import JobRecord
+from ringray.cluster.resource_requests import resource_requests
 from ringray.cluster.watch import WorkerWatch
 from ringray.cluster.worker import TrainWorker
 from ringray.data import PasskeyReport
@@ -101,7 +103,13 @@ class RayWorkerGroup:
 
     def ask_for_full_size(self) -> None:
         if self.cluster.request_resources:
-            request_resources([self.job.worker_resources] * (self.job.dp_max * self.job.cp))
+            full_size = [self.job.worker_resources] * (self.job.dp_max * self.job.cp)
+            ray.get(resource_requests().set.remote(self.job.name, full_size))
+
+    def withdraw_request(self) -> None:
+        """The job has ended: its request goes; other jobs' requests stand."""
+        if self.cluster.request_resources:
+            ray.get(resource_requests().withdraw.remote(self.job.name))
 
     # ----------------------------------------------------------------- starting
     def start(self, plan: PlacementPlan) -> None:
@@ -116,6 +124,7 @@ class RayWorkerGroup:
                 raise JobError(f"workers did not land where planned: {exc}") from None
             self.watch.track(self.workers, tuple(h.node_id for h in healths))
             self.record.workers(tuple(healths))
+            self._set_up_devices()
             host, port = self.watch.wait([self.workers[0].rendezvous_address.remote()],
                                          timeout=timeout, should_stop=self.should_stop)[0]
             self.watch.wait(
@@ -128,6 +137,15 @@ class RayWorkerGroup:
             )
         except CallTimeout as exc:
             raise WorkerGroupFailure(Failure(kind=FailureKind.STARTUP, detail=str(exc))) from None
+
+    def _set_up_devices(self) -> None:
+        """Every worker's devices and interfaces, decided together (:mod:`.devices`)."""
+        timeout = self.cluster.startup_timeout_seconds
+        places = self.watch.wait([w.devices.remote() for w in self.workers], timeout=timeout,
+                                 should_stop=self.should_stop)
+        self.watch.wait([w.set_up_devices.remote(setup) for w, setup in
+                         zip(self.workers, plan_devices(places), strict=True)],
+                        timeout=timeout, should_stop=self.should_stop)
 
     def _create_workers(self, plan: PlacementPlan) -> None:
         self.plan_ = plan
@@ -230,10 +248,3 @@ class RayWorkerGroup:
                                   f"removed: {exc}", exc=exc)
         self.watch.forget()
         self.workers, self.pg = [], None
-
-
-def request_resources(bundles: list[dict]) -> None:
-    """Ask Ray's autoscaler for ``bundles`` (an empty list withdraws the request)."""
-    from ray.autoscaler.sdk import request_resources as ask
-
-    ask(bundles=bundles)
