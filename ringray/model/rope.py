@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal
 
 import torch
@@ -184,11 +185,19 @@ def rotary_tables(
     folded into both tables, as HF does.
     """
     scaling = scaling or RopeScaling()
-    inv_freq = rope_inv_freq(head_dim, theta, scaling).to(positions.device)
+    inv_freq = _device_inv_freq(head_dim, theta, scaling, positions.device)
     angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
     angles = torch.cat((angles, angles), dim=-1)
     factor = rope_attention_factor(scaling)
     return (angles.cos() * factor).to(dtype), (angles.sin() * factor).to(dtype)
+
+
+@lru_cache(maxsize=32)
+def _device_inv_freq(head_dim: int, theta: float, scaling: RopeScaling,
+                     device: torch.device) -> torch.Tensor:
+    """:func:`rope_inv_freq` on ``device``, made once: a forward does no host-to-device copy
+    (on CUDA, a copy from pageable host memory waits for the stream)."""
+    return rope_inv_freq(head_dim, theta, scaling).to(device)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
