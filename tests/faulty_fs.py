@@ -13,6 +13,9 @@
   directory, shared by every process writing there (usage is measured on disk): a write past
   it raises ``OSError(ENOSPC)``, as a small tmpfs does, without mounting one.
 
+- ``nodemem://``: :class:`NodeLocalMemoryFS` is memory private to each process: ranks in
+  separate processes each see only their own files, as nodes do with a node-local disk.
+
 The memory ones keep their files in a store of their own (not the shared ``memory://`` one).
 """
 
@@ -187,7 +190,14 @@ class QuotaLocalFS(LocalFileSystem):
         return file
 
 
+class NodeLocalMemoryFS(MemoryFileSystem):
+    protocol = "nodemem"
+    store: dict = {}  # noqa: RUF012 - one per process: what a node-local disk is to a node
+    pseudo_dirs = [""]  # noqa: RUF012
+
+
 fsspec.register_implementation("crashmem", CrashingMemoryFS, clobber=True)
 fsspec.register_implementation("fullmem", FullMemoryFS, clobber=True)
 fsspec.register_implementation("denymem", DenyingMemoryFS, clobber=True)
 fsspec.register_implementation("quotafile", QuotaLocalFS, clobber=True)
+fsspec.register_implementation("nodemem", NodeLocalMemoryFS, clobber=True)

@@ -416,6 +416,8 @@ class CheckpointStore:
         def classified() -> Any:
             try:
                 return work()
+            except CheckpointWriteError:  # already says why, and that no retry helps
+                raise
             except Exception as exc:
                 raise self._save_error(step, describe_error(exc),
                                        deterministic_errno(exc)) from None
@@ -452,6 +454,13 @@ class CheckpointStore:
                 raise OSError(errno.EIO, f"{size} bytes stored, {checksum.size_bytes} written",
                               full)
             checksums[relative] = checksum.crc32c
+        unseen = sorted(set(written) - set(files))
+        if unseen:  # written by other ranks somewhere rank 0 cannot see: not shared storage
+            raise CheckpointWriteError(
+                f"checkpoint.path: {self.location} is not shared by every rank: rank 0 does not "
+                f"see {len(unseen)} file(s) the others wrote (e.g. {unseen[0]}); a job on "
+                f"several nodes needs a location every node reads, such as a shared filesystem "
+                f"or an object store URL (s3://, gs://)")
         marker = {
             "format": MARKER_FORMAT, "step": step, "lineage": self.lineage,
             "world_size": dist.get_world_size() if distributed() else 1,
