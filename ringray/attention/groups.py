@@ -27,17 +27,23 @@ def _backend_device(group: dist.ProcessGroup) -> torch.device:
     return torch.device("cuda" if name == "nccl" else "cpu")
 
 
-def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta:
-    """The timeout of ``group``'s collectives (``None``: the default group's)."""
+def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta | None:
+    """The timeout of ``group``'s collectives (``None``: the default group's); ``None`` for a
+    backend that keeps none (the fake process group of a simulation)."""
     group = group if group is not None else dist.group.WORLD
-    # The only public place a group's timeout is kept is its backend's options.
-    return group._get_backend(_backend_device(group)).options._timeout
+    # The only place a group's timeout is kept is its backend's options.
+    options = getattr(group._get_backend(_backend_device(group)), "options", None)
+    return options._timeout if options is not None else None
 
 
-def backend_options(timeout: timedelta, backend: str | None = None) -> BackendOverride:
+def backend_options(timeout: timedelta | None,
+                    backend: str | None = None) -> BackendOverride | None:
     """``(backend, options)`` for ``new_group``/``init_device_mesh`` that carry ``timeout``
-    (``backend`` defaults to the default group's: gloo or nccl)."""
+    (``backend`` defaults to the default group's: gloo or nccl); ``None`` (the backend's
+    own groups) when there is no timeout to carry, in a simulation."""
     backend = backend or dist.get_backend()
+    if timeout is None:
+        return None
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
     elif backend == "gloo":
@@ -49,7 +55,8 @@ def backend_options(timeout: timedelta, backend: str | None = None) -> BackendOv
     return backend, options
 
 
-def with_timeout(dims: Iterable[str], timeout: timedelta) -> dict[str, BackendOverride]:
+def with_timeout(dims: Iterable[str],
+                 timeout: timedelta | None) -> dict[str, BackendOverride] | None:
     """``init_device_mesh``'s ``backend_override`` giving every dimension ``timeout``."""
     override = backend_options(timeout)
-    return {dim: override for dim in dims}
+    return None if override is None else {dim: override for dim in dims}

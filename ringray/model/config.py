@@ -151,6 +151,11 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     "8b": ModelConfig(
         dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336, rope_theta=500_000.0
     ),
+    # Llama 3 70B block shapes (about 68.5B parameters with the byte vocabulary); planned and
+    # simulated here, never built for real.
+    "70b": ModelConfig(
+        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden=28672, rope_theta=500_000.0
+    ),
 }
 
 
