@@ -122,12 +122,27 @@ def parse_cluster(text: str) -> ClusterShape:
     return ClusterShape(accelerator=ACCELERATORS[name], nodes=nodes, gpus_per_node=gpus)
 
 
+# What a custom device's figures may be: (smallest, largest, an example). Below the smallest
+# the plan's figures print as 0.0 and mean nothing; above the largest (or inf) they overflow.
+_CUSTOM_RANGES = {
+    "--gpu-tflops": (0.01, 1e6, "989 for an H100"),
+    "--link-gbps": (0.01, 1e6, "3600 for NVLink 4, 400 for InfiniBand NDR"),
+    "--gpu-mem-gib": (1.0, 1e6, "80 for an H100"),
+}
+
+
 def custom_cluster(*, tflops: float, link_gbps: float, memory_gib: float) -> ClusterShape:
-    """A device given by its dense peak (TFLOP/s), ring link (Gb/s, one way) and memory (GiB)."""
+    """A device given by its dense peak (TFLOP/s), ring link (Gb/s, one way) and memory (GiB).
+
+    Raises:
+        PlanError: a figure that is not finite or lies outside :data:`_CUSTOM_RANGES`.
+    """
     for flag, value in (("--gpu-tflops", tflops), ("--link-gbps", link_gbps),
                         ("--gpu-mem-gib", memory_gib)):
-        if not value > 0:
-            raise PlanError(f"{flag}: must be > 0, got {value}")
+        low, high, example = _CUSTOM_RANGES[flag]
+        if not low <= value <= high:  # NaN fails both comparisons
+            raise PlanError(f"{flag}: {value:g} is out of range; give a number from {low:g} to "
+                            f"{high:g} (e.g. {example})")
     link = link_gbps * 1e9 / 8
     device = Accelerator(
         name="custom",

@@ -407,7 +407,16 @@ def test_plan_text_and_exit_code_one_when_it_does_not_fit():
     (["--gpu-tflops", "300"], "missing: --link-gbps, --gpu-mem-gib"),
     (["--cluster", "1x8xH100", "--gpu-mem-gib", "80"], "not both"),
     (["--gpu-tflops", "0", "--link-gbps", "1", "--gpu-mem-gib", "1"],
-     "--gpu-tflops: must be > 0"),
+     "--gpu-tflops: 0 is out of range; give a number from 0.01 to 1e+06"),
+    # inf overflowed into a traceback; 1e-30 printed "0.0 GiB over the 0.0 GiB usable"
+    (["--gpu-tflops", "300", "--link-gbps", "100", "--gpu-mem-gib", "inf"],
+     "--gpu-mem-gib: inf is out of range; give a number from 1 to 1e+06 (e.g. 80"),
+    (["--gpu-tflops", "300", "--link-gbps", "100", "--gpu-mem-gib", "1e-30"],
+     "--gpu-mem-gib: 1e-30 is out of range"),
+    (["--gpu-tflops", "nan", "--link-gbps", "100", "--gpu-mem-gib", "80"],
+     "--gpu-tflops: nan is out of range"),
+    (["--gpu-tflops", "300", "--link-gbps", "1e400", "--gpu-mem-gib", "80"],
+     "--link-gbps: inf is out of range"),
     (["--cluster", "1x8xH100", "--set", "parallel.cp=3"], "train.seq_len: 131072 cannot be split"),
 ])
 def test_plan_usage_errors_are_one_line(args, message):
@@ -543,3 +552,33 @@ def test_plan_command_shows_ulysses_beside_the_ring():
     bad = CliRunner().invoke(app, ["plan", JOB_1B, "--cluster", "1x8xH100",
                                    "--set", "parallel.ulysses=3"])
     assert bad.exit_code == 2 and "parallel.ulysses: 3 does not divide cp=8" in bad.output
+
+
+# ------------------------------------------------------------------ before `ringray train`
+
+
+def test_a_worker_is_refused_when_its_planned_peak_exceeds_its_share_of_the_node():
+    """The quickstart at seq 16M on CPU (issue 28: workers grew to 9 GB each until Ray killed
+    them): the planned peak, float32 on a CPU, is the plan's own figure, and the share is the
+    node's memory over the workers on it, less the reserve."""
+    from ringray.capacity import WorkerShare, check_worker_memory, plan_footprint, runs_bf16
+
+    options = load_job_spec("jobs/quickstart.yaml", ["train.seq_len=16777216"],
+                            check_paths=False).train_options()
+    share = WorkerShare(node="this host's available memory", node_bytes=64 * GIB, workers=4)
+    refusal = check_worker_memory(options, dp=1, cp=4, on_gpu=False, share=share)
+    inputs = PlanInputs.of_mesh(options, dp=1, cp=4, name="q", bf16=False)
+    peak = plan_footprint(inputs).peak_bytes
+    assert refusal is not None and peak > 100 * GIB
+    assert f"one worker needs about {peak / GIB:.1f} GiB" in refusal
+    assert "more than the 14.4 GiB it has (this host's available memory, 64.0 GiB shared by " \
+           "4 workers, less 10% reserve)" in refusal
+    assert "--force" in refusal and "\n" not in refusal
+
+    small = load_job_spec("jobs/quickstart.yaml", [], check_paths=False).train_options()
+    assert check_worker_memory(small, dp=1, cp=4, on_gpu=False, share=share) is None
+    # A GPU worker owns its device; auto precision is bf16 there, float32 on a CPU.
+    device = WorkerShare(node="GPU", node_bytes=80 * GIB)
+    assert device.usable_bytes == int(80 * GIB * 0.9)
+    assert runs_bf16("auto", on_gpu=True) and not runs_bf16("auto", on_gpu=False)
+    assert runs_bf16("bf16", on_gpu=False) and not runs_bf16("fp32", on_gpu=True)

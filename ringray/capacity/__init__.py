@@ -19,6 +19,8 @@ imported from here:
   (:func:`a2a_bytes_per_layer`) on a node's links against the ring's on its slowest link,
   the time each leaves exposed per step, and the Ulysses degree to use
   (:func:`ulysses_options`, :func:`recommend_ulysses`: the rule is there).
+- **Before a start**: :func:`check_worker_memory` (:mod:`.workers`), whether one worker of a
+  job fits its node's memory, which `ringray train` asks before it starts anything.
 
 A planning margin (:data:`MEMORY_RESERVE_RATIO` of device memory) is kept for the CUDA
 context, NCCL's buffers, kernel workspaces and allocator fragmentation, which the terms above
@@ -41,6 +43,7 @@ from ringray.capacity.fit import (
     memory_breakdown,
     overlap_check,
     overlap_threshold_tokens,
+    plan_footprint,
 )
 from ringray.capacity.inputs import PlanInputs
 from ringray.capacity.report import PlanReport, plan, plan_job, recommend_cp
@@ -52,6 +55,7 @@ from ringray.capacity.ulysses import (
     recommend_ulysses,
     ulysses_options,
 )
+from ringray.capacity.workers import WorkerShare, check_worker_memory, runs_bf16
 from ringray.train.footprint import (  # the formulas, re-exported for callers
     Footprint,
     activation_bytes_per_token,
@@ -68,10 +72,11 @@ from ringray.train.footprint import (  # the formulas, re-exported for callers
 __all__ = [
     "ACCELERATORS", "GIB", "MEMORY_RESERVE_RATIO", "ULYSSES_RULE", "Accelerator", "ClusterShape",
     "Footprint", "MemoryBreakdown", "OverlapCheck", "PlanError", "PlanInputs", "PlanReport",
-    "UlyssesOption", "a2a_bytes_per_layer", "a2a_link", "activation_bytes_per_token",
-    "custom_cluster", "gathered_bytes", "head_activation_bytes_per_token",
-    "kept_activation_bytes_per_token", "kv_repeat", "layer_activation_bytes_per_token",
+    "UlyssesOption", "WorkerShare", "a2a_bytes_per_layer", "a2a_link",
+    "activation_bytes_per_token", "check_worker_memory", "custom_cluster", "gathered_bytes",
+    "head_activation_bytes_per_token", "kept_activation_bytes_per_token", "kv_repeat",
+    "layer_activation_bytes_per_token",
     "memory_breakdown", "overlap_check", "overlap_threshold_tokens", "parse_cluster", "plan",
-    "plan_job", "rank_footprint", "recommend_cp", "recommend_ulysses",
-    "recompute_bytes_per_token", "ring_buffer_bytes_per_token", "ulysses_options",
+    "plan_footprint", "plan_job", "rank_footprint", "recommend_cp", "recommend_ulysses",
+    "recompute_bytes_per_token", "ring_buffer_bytes_per_token", "runs_bf16", "ulysses_options",
 ]

@@ -66,19 +66,31 @@ class MemoryBreakdown(Footprint):
         return self.peak_bytes <= self.usable_bytes
 
 
+def plan_footprint(inputs: PlanInputs, *, cp: int | None = None,
+                   ulysses: int | None = None) -> Footprint:
+    """One rank's memory for ``inputs`` at ``cp`` ranks per sequence as ring × ``ulysses``
+    (default the job's cp, and its ulysses at its own cp, else 1)."""
+    if ulysses is None:
+        ulysses = inputs.ulysses if cp is None or cp == inputs.cp else 1
+    cp = cp or inputs.cp
+    return rank_footprint(
+        inputs.model, local_tokens=inputs.local_batch * (inputs.seq_len // cp), cp=cp,
+        shards=inputs.shards(cp), bf16=inputs.bf16,
+        checkpointing=inputs.activation_checkpointing, ulysses=ulysses)
+
+
+def usable_bytes(memory_bytes: float) -> int:
+    """What a rank may plan to use of ``memory_bytes``: all but the reserve
+    (:data:`MEMORY_RESERVE_RATIO`)."""
+    return int(memory_bytes * (1 - MEMORY_RESERVE_RATIO))
+
+
 def memory_breakdown(inputs: PlanInputs, device: Accelerator, *, cp: int | None = None,
                      ulysses: int | None = None) -> MemoryBreakdown:
     """Per-device memory of ``inputs`` on ``device`` (at ``cp`` ranks per sequence as ring ×
     ``ulysses``; default the job's cp, and its ulysses at its own cp, else 1)."""
-    if ulysses is None:
-        ulysses = inputs.ulysses if cp is None or cp == inputs.cp else 1
-    cp = cp or inputs.cp
-    footprint = rank_footprint(
-        inputs.model, local_tokens=inputs.local_batch * (inputs.seq_len // cp), cp=cp,
-        shards=inputs.shards(cp), bf16=inputs.bf16,
-        checkpointing=inputs.activation_checkpointing, ulysses=ulysses)
-    return MemoryBreakdown(**asdict(footprint),
-                           usable_bytes=int(device.memory_bytes * (1 - MEMORY_RESERVE_RATIO)))
+    footprint = plan_footprint(inputs, cp=cp, ulysses=ulysses)
+    return MemoryBreakdown(**asdict(footprint), usable_bytes=usable_bytes(device.memory_bytes))
 
 
 @dataclass(frozen=True, kw_only=True)

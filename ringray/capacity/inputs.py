@@ -66,6 +66,13 @@ class PlanInputs:
                 raise PlanError(f"parallel.{missing}: null, and it cannot be inferred ({why}); "
                                 f"give a number, e.g. --set parallel.{missing}=8")
             dp, cp = (dp, total // dp) if cp is None else (total // cp, cp)
+        return cls.of_mesh(options, dp=dp, cp=cp, name=name,
+                           bf16=options.train.precision != "fp32")
+
+    @classmethod
+    def of_mesh(cls, options: TrainOptions, *, dp: int, cp: int, name: str,
+                bf16: bool) -> PlanInputs:
+        """The inputs at a known mesh and precision (``ringray train`` knows both)."""
         ulysses = options.parallel.ulysses
         if cp % ulysses:
             raise PlanError(f"parallel.ulysses: {ulysses} does not divide the inferred cp = "
@@ -74,7 +81,6 @@ class PlanInputs:
         return cls(
             name=name, model=options.model, seq_len=train.seq_len,
             global_batch=train.global_batch, dp=dp, cp=cp, layout=options.layout_kind,
-            bf16=train.precision != "fp32",
-            activation_checkpointing=train.activation_checkpointing,
+            bf16=bf16, activation_checkpointing=train.activation_checkpointing,
             fsdp=options.parallel.fsdp, ulysses=ulysses,
         )
