@@ -5,6 +5,7 @@ one line with a non-zero exit code, never a traceback."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -47,15 +48,34 @@ def test_train_runs_a_job_to_the_end_and_resume_continues_it(tmp_path: Path) -> 
     assert sorted(p.name[:13] for p in (run_dir / "checkpoints").iterdir()) == [
         "step_00000002", "step_00000004"]
 
-    # `ringray resume RUN` trains the run's own job.yaml (the spec as run) again.
+    # `ringray resume RUN` trains the run's own job.yaml (the spec as run) again, from
+    # wherever RUN is now: moved, it resumes from its own checkpoints and writes there (it
+    # started at step 0 and wrote into the old place before).
     assert "run_dir: " + str(run_dir) in (run_dir / "job.yaml").read_text()
-    again = subprocess.run([RINGRAY, "resume", str(run_dir), "--steps", "6"], cwd=ROOT,
+    moved = tmp_path / "moved"
+    run_dir.rename(moved)
+    below = subprocess.run([RINGRAY, "resume", str(moved), "--steps", "3"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+    assert below.returncode == 2  # it reported "finished at step 4/3" before
+    assert "train.steps: 3 is below step 4 of the checkpoint this run resumes" in below.stderr
+    again = subprocess.run([RINGRAY, "resume", str(moved), "--steps", "6"], cwd=tmp_path,
                            capture_output=True, text=True, timeout=240)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "restored" in again.stderr and "at step 4" in again.stderr
     assert "finished at step 6/6" in again.stdout
-    steps = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
+    events = [json.loads(line)["message"] for line in (moved / "events.jsonl").open()]
+    started = [e for e in events if e.startswith("started ")]
+    assert f"at step 4, restored {moved}/checkpoints/step_00000004-" in started[-1]
+    assert not run_dir.exists()
+    steps = [json.loads(line) for line in (moved / "steps.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2, 3, 4, 5, 6]
+    recorded = (moved / "job.yaml").read_text()  # the spec as resumed: where, how far
+    assert f"run_dir: {moved}\n" in recorded and "  steps: 6\n" in recorded
+
+    exported = subprocess.run([RINGRAY, "export", str(moved), "--hf", str(tmp_path / "hf")],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert "exported step 6" in exported.stdout
+    assert (tmp_path / "hf" / "config.json").is_file()
 
 
 @pytest.mark.parametrize(
@@ -81,6 +101,35 @@ def test_a_job_that_cannot_be_placed_fails_with_the_reason(tmp_path: Path) -> No
     assert "job 'cli-test' failed at step 0: placement:" in result.stderr
     assert "worker slots" in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_a_run_refused_after_its_checks_leaves_job_yaml_as_it_was(tmp_path: Path) -> None:
+    """Two runs of one run directory started a moment apart both pass the check before Ray;
+    the one whose controller does not get the lock is refused. It wrote its own steps and lr
+    into job.yaml before, so `ringray resume` ran the loser's job. Here the test is the other
+    run: it takes the lock once the command has passed its checks, before Ray is up."""
+    from ringray.train.run_lock import RunLock
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "job.yaml").write_text("the winner's spec\n")
+    proc = subprocess.Popen([RINGRAY, "train", "jobs/quickstart.yaml", *_short_job(run_dir),
+                             "--steps", "40", "--set", "train.optimizer.lr=0.5"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    winner = RunLock(run_dir, job="winner")
+    try:
+        banner = proc.stderr.readline()  # printed once the checks before Ray have passed
+        assert banner.startswith("ringray: job 'cli-test'"), banner + proc.stderr.read()
+        winner.acquire()
+        stdout, stderr = proc.communicate(timeout=180)
+    finally:
+        winner.release()
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 2, stderr[-3000:]
+    assert "is in use by job 'winner'" in stderr
+    assert (run_dir / "job.yaml").read_text() == "the winner's spec\n"
+    assert not (run_dir / "checkpoints").exists()
 
 
 def _wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 180) -> None:
@@ -116,6 +165,37 @@ def test_ctrl_c_checkpoints_and_stops(tmp_path: Path) -> None:
     last = json.loads(steps_log.read_text().splitlines()[-1])["step"]
     assert f"job 'cli-test' stopped at step {last}/100000" in stdout
     assert list((run_dir / "checkpoints").glob(f"step_{last:08d}-*"))
+
+
+def test_sigterm_to_the_process_group_stops_like_ctrl_c(tmp_path: Path) -> None:
+    """What `timeout` and systemd send: SIGTERM to every process of the command, Ray's own
+    included. The job checkpoints and stops, the command exits promptly with 143 (128 +
+    SIGTERM) after its final line, and the run directory's lock is gone. Before, Ray's
+    processes died under the job: the driver hung 60 s, exited 1 without a final line, and
+    the lock stayed."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([RINGRAY, "train", "jobs/quickstart.yaml", *_short_job(run_dir),
+                             "--steps", "100000", "--set", "checkpoint.interval=1000"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own group, as `timeout` makes one
+    try:
+        steps_log = run_dir / "steps.jsonl"
+        _wait_for(lambda: steps_log.exists() and len(steps_log.read_text().splitlines()) >= 2,
+                  proc, "steps")
+        sent = time.monotonic()
+        os.killpg(proc.pid, signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143, stderr[-3000:]
+    assert "stopping: checkpoint at the next step boundary, then stop" in stderr
+    last = json.loads(steps_log.read_text().splitlines()[-1])["step"]
+    assert f"job 'cli-test' stopped at step {last}/100000" in stdout
+    assert list((run_dir / "checkpoints").glob(f"step_{last:08d}-*"))
+    assert not (run_dir / "ringray.lock").exists()
+    assert took < 30
 
 
 def test_ctrl_c_during_the_evaluation_ends_it_promptly(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@
   groups.
 
 The group modules do not import each other's commands or this module (``jobs`` calls
-``train`` for ``resume``), so there are no cycles. Errors are one line on stderr and a
+``train``'s ``run_job`` for ``resume``), so there are no cycles. Errors are one line on stderr and a
 non-zero exit code, never a traceback.
 """
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import typer
 
-from ringray.cli import bench, dashboards, export, jobs, plan, report, train
+from ringray.cli import bench, dashboards, export, jobs, models, plan, report, train
 
 app = typer.Typer(
     help="ringray: exact ring attention and long-context training on Ray.",
@@ -44,6 +44,7 @@ app.command("resume")(jobs.resume)
 app.command("export")(export.export)
 app.add_typer(bench.app, name="bench")
 app.add_typer(dashboards.app, name="dashboards")
+app.add_typer(models.app, name="models")
 
 
 def main() -> None:

@@ -46,9 +46,31 @@ def read_spec(spec_path: str, overrides: list[str], *, steps: int | None = None,
 def load_spec(spec_path: str, overrides: list[str], *, steps: int | None,
               check_paths: bool = True) -> JobSpec:
     """:func:`read_spec`, checked as far as `ringray train` needs (an explicit mesh too)."""
+    return _with_job_options(read_spec(spec_path, overrides, steps=steps,
+                                       check_paths=check_paths))
+
+
+def load_run(run: str, overrides: list[str], *, steps: int | None = None,
+             check_paths: bool = True) -> JobSpec:
+    """The spec of the run in directory ``run``, read from where the directory is now
+    (:func:`ringray.spec.run_spec.load_run_spec`), with ``--set`` and ``--steps`` applied and
+    checked as :func:`load_spec` does; a bad one ends the command in one line."""
+    from ringray.spec import JobSpecError
+    from ringray.spec.run_spec import load_run_spec
+
+    if steps is not None:
+        overrides = [*overrides, f"train.steps={steps}"]
+    try:
+        spec = load_run_spec(run, overrides, check_paths=check_paths)
+    except JobSpecError as exc:
+        fail(str(exc).replace("\n", "; "))
+    return _with_job_options(spec)
+
+
+def _with_job_options(spec: JobSpec) -> JobSpec:
+    """``spec``, once its job options build (an explicit mesh too)."""
     from ringray.spec import JobSpecError
 
-    spec = read_spec(spec_path, overrides, steps=steps, check_paths=check_paths)
     try:
         spec.job_options()
     except JobSpecError as exc:

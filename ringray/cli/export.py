@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import typer
 from rich.console import Console
 
-from ringray.cli.common import err, fail, read_spec
+from ringray.cli.common import err, fail, load_run
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
 def export(
     run: str = typer.Argument(..., metavar="RUN",
-                              help="Run directory (holding job.yaml), e.g. runs/quickstart."),
+                              help="Run directory (holding job.yaml), e.g. runs/quickstart; "
+                              "read from wherever it is now, moved or not."),
     hf: str = typer.Option(..., "--hf", metavar="OUT",
                            help="Directory (or fsspec URL) to write the HF checkpoint to."),
     step: int | None = typer.Option(None, "--step", min=0,
@@ -29,18 +28,24 @@ def export(
     """
     import torch
 
+    from ringray.spec import JobSpecError
+    from ringray.spec.load import _check_output_dir
     from ringray.train.checkpoint import CheckpointError
     from ringray.train.export import export_hf
 
     if dtype not in _DTYPES:
         fail(f"--dtype: {dtype!r} is not one of {', '.join(_DTYPES)}")
-    spec_path = Path(run).expanduser() / "job.yaml"
-    if not spec_path.is_file():
-        fail(f"{run}: no job.yaml here (a run directory that `ringray train` wrote has one)")
-    options = read_spec(str(spec_path), [], check_paths=False).train_options()
+    if "://" not in hf:
+        try:
+            _check_output_dir("--hf", hf)
+        except JobSpecError as exc:
+            fail(str(exc))
+    options = load_run(run, [], check_paths=False).train_options()
     try:
         with err.status("exporting..."):
             ref = export_hf(options, hf, step=step, dtype=getattr(torch, dtype))
-    except (CheckpointError, OSError, ValueError) as exc:
+    except OSError as exc:  # "[Errno 17] File exists" alone names neither path nor problem
+        fail(f"{exc.filename or hf}: {exc.strerror or exc}")
+    except (CheckpointError, ValueError) as exc:
         fail(str(exc))
     Console().print(f"exported step {ref.step} ({ref.location}) to {hf}", highlight=False)

@@ -30,8 +30,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ringray.cli.common import err, fail, first_line, load_spec
-from ringray.cli.train import train
+from ringray.cli.common import err, fail, first_line, load_run, load_spec
+from ringray.cli.train import run_job
 
 ADDRESS_HELP = ("Ray dashboard URL of the cluster (Ray Jobs API), e.g. http://head:8265; "
                 "default: $RAY_API_SERVER_ADDRESS.")
@@ -268,24 +268,27 @@ def resume(
     overrides: list[str] = typer.Option(  # noqa: B008 - typer's documented form
         [], "--set", help="Override a spec field (repeatable)."
     ),
+    force: bool = typer.Option(
+        False, "--force",
+        help="Start even when a worker's planned memory exceeds what this machine gives it.",
+    ),
 ) -> None:
     """Continue a run from its last complete checkpoint after the whole job died.
 
-    A run directory is trained again here (`ringray train RUN/job.yaml`, on an embedded Ray
-    or $RAY_ADDRESS); a submission id is submitted again, with the same spec, overrides and
-    run directory.
+    A run directory is trained again here, as `ringray train` would train its job.yaml (on an
+    embedded Ray or $RAY_ADDRESS), from wherever the directory is now: a moved run directory
+    resumes from its own checkpoints and writes there (run_dir is RUN, and a checkpoint.path
+    inside the recorded run_dir is taken at the same place inside RUN; a checkpoint location
+    elsewhere, such as s3://, is used as recorded). A submission id is submitted again, with
+    the same spec, overrides and run directory.
 
     Example: ringray resume runs/quickstart --steps 200
     """
     from ringray.cluster.jobs import submission_request
 
     overrides = [*overrides, "checkpoint.resume=true"]
-    run_path = Path(run).expanduser()
-    if run_path.is_dir():
-        spec = run_path / "job.yaml"
-        if not spec.is_file():
-            fail(f"{run}: no job.yaml here (a run directory that `ringray train` wrote has one)")
-        train(spec_path=str(spec), address=None, steps=steps, overrides=overrides)
+    if Path(run).expanduser().is_dir():
+        run_job(load_run(run, overrides, steps=steps), address=None, force=force)
         return
     if address is None:
         fail(f"{run}: not a run directory; for a submission id give --address (the Ray "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,6 +17,8 @@ from ringray.cli.common import err, fail, load_spec
 
 if TYPE_CHECKING:  # torch and Ray are imported when the command runs, not for --help
     from ringray.cluster.job_options import JobOptions
+    from ringray.cluster.status import JobStatus
+    from ringray.spec import JobSpec
 
 
 def train(
@@ -31,19 +34,40 @@ def train(
     overrides: list[str] = typer.Option(  # noqa: B008 - typer's documented form
         [], "--set", help="Override a spec field (repeatable), e.g. train.seq_len=8192."
     ),
+    force: bool = typer.Option(
+        False, "--force",
+        help="Start even when a worker's planned memory exceeds what this machine gives it "
+        "(checked before an embedded Ray starts).",
+    ),
 ) -> None:
     """Run a job on Ray: place its rings, train, recover from failures, follow progress.
 
-    Ctrl-C checkpoints at the next step and stops (a second Ctrl-C detaches and leaves a job
-    on a cluster running; `ringray train` with the same spec reattaches).
+    Ctrl-C (or SIGTERM, as `timeout` and systemd send) checkpoints at the next step and
+    stops; a second Ctrl-C detaches and leaves a job on a cluster running (`ringray train`
+    with the same spec reattaches). Exit code: 0 finished, 2 refused or failed (one line),
+    130 stopped by Ctrl-C, 143 by SIGTERM (128 + the signal, as shells report it).
+
+    Before an embedded Ray starts, a job whose worker needs more memory than this machine
+    gives it (`ringray plan`'s model against the available RAM shared by the workers, or a
+    GPU's memory) is refused; --force starts it anyway. Once the job has started, the spec
+    as run is written to RUN/job.yaml, which `ringray resume RUN` and `ringray export RUN`
+    read from wherever RUN has been moved.
 
     Example: ringray train jobs/quickstart.yaml --steps 20 --set train.seq_len=2048
     """
-    spec = load_spec(spec_path, overrides, steps=steps)
+    run_job(load_spec(spec_path, overrides, steps=steps), address=address, force=force)
+
+
+def run_job(spec: JobSpec, *, address: str | None, force: bool = False) -> None:
+    """Run ``spec``'s job on Ray and follow it to its end (`ringray train`, `ringray resume`).
+    What can be checked before Ray starts is checked first, each refusal in one line."""
     job = _with_absolute_paths(spec.job_options())
     address = address or os.environ.get("RAY_ADDRESS")
     if address is None:  # on a cluster, a running job of this name is reattached to instead
         _check_run_dir(job)
+    _check_resume_step(job)
+    if address is None and not force:
+        _check_memory_here(job)
     options = job.train
     err.print(
         f"ringray: job {job.name!r}, {options.model.num_params() / 1e6:.2f}M-parameter model, "
@@ -52,8 +76,7 @@ def train(
         f"on {'Ray at ' + address if address else 'an embedded local Ray'}",
         highlight=False,
     )
-    _write_effective_spec(spec, options.run_dir)
-    _run_on_ray(job, address=address)
+    _run_on_ray(spec, job, address=address)
 
 
 def _check_run_dir(job: JobOptions) -> None:
@@ -73,6 +96,77 @@ def _check_run_dir(job: JobOptions) -> None:
         fail(str(exc))
 
 
+def _check_resume_step(job: JobOptions) -> None:
+    """Before Ray starts: a resumed run whose newest checkpoint is past ``train.steps`` would
+    restore it, train nothing and report "finished at step 40/30"; it is refused instead."""
+    from ringray.train.checkpoint import CheckpointStore
+
+    options = job.train
+    if not options.checkpoint.resume:
+        return
+    try:
+        newest = CheckpointStore(options.checkpoint_location).latest()
+    except (OSError, ValueError, ImportError):  # the controller reports the location itself
+        return
+    if newest is not None and newest.step > options.train.steps:
+        fail(f"train.steps: {options.train.steps} is below step {newest.step} of the checkpoint "
+             f"this run resumes ({newest.location}); give --steps {newest.step} or more, or "
+             f"a new run_dir to train afresh")
+
+
+def _check_memory_here(job: JobOptions) -> None:
+    """Before an embedded Ray starts: refuse a job whose worker's planned peak memory
+    exceeds what this machine gives it (see :mod:`ringray.capacity.workers`)."""
+    from ringray.capacity import WorkerShare, check_worker_memory
+
+    on_gpu = job.cluster.accelerator == "gpu"
+    if on_gpu:
+        device_bytes = _smallest_gpu_bytes()
+        if device_bytes is None:  # no GPU here: the placement says so, naming what is missing
+            return
+        share = WorkerShare(node="this machine's GPU memory", node_bytes=device_bytes)
+    else:
+        share = WorkerShare(node="this host's available memory",
+                            node_bytes=available_memory_bytes(), workers=job.dp_max * job.cp)
+    refusal = check_worker_memory(job.train, dp=job.dp_max, cp=job.cp, on_gpu=on_gpu,
+                                  share=share)
+    if refusal is not None:
+        fail(refusal)
+
+
+def available_memory_bytes() -> int:
+    """Memory that new processes on this host can have: Linux's MemAvailable, capped by this
+    process's cgroup limit (a container's) when one is set."""
+    available = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    if available is None:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        cgroup = Path("/sys/fs/cgroup")
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max":
+            used = int((cgroup / "memory.current").read_text())
+            available = min(available, max(0, int(limit) - used))
+    except (OSError, ValueError):
+        pass
+    return available
+
+
+def _smallest_gpu_bytes() -> int | None:
+    """The memory of this machine's smallest visible GPU, or ``None`` without one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return min(torch.cuda.get_device_properties(i).total_memory
+               for i in range(torch.cuda.device_count()))
+
+
 def _with_absolute_paths(job: JobOptions) -> JobOptions:
     """Local paths made absolute: workers and the controller do not share our cwd."""
     options = job.train
@@ -86,22 +180,65 @@ def _absolute(location: str) -> str:
     return location if "://" in location else str(Path(location).expanduser().resolve())
 
 
-def _write_effective_spec(spec, run_dir: str) -> None:
-    """The spec as run (overrides applied, run_dir absolute) as ``RUN/job.yaml``, so that
-    ``ringray resume RUN`` can run the job again."""
-    import yaml
-
-    data = spec.model_dump(mode="json")
-    data["run_dir"] = run_dir
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
-    (Path(run_dir) / "job.yaml").write_text(
-        "# The job as run by `ringray train` (overrides applied); `ringray resume` reads it.\n"
-        + yaml.safe_dump(data, sort_keys=False)
-    )
+def job_started(status: JobStatus) -> bool:
+    """Whether the job got past its start: its controller holds the run directory's lock and
+    its workers built (restoring the checkpoint, when there is one). A refused run (another
+    run holds the directory, a model that does not match the checkpoints) never does."""
+    return (status.state in ("running", "checkpointing", "evaluating", "finished")
+            or status.last_stats is not None)
 
 
-def _run_on_ray(job: JobOptions, *, address: str | None) -> None:
+class _RunSpecWriter:
+    """Writes ``RUN/job.yaml`` (:mod:`ringray.spec.run_spec`) once the job has started, and
+    not before: nothing a refused run does changes the run directory."""
+
+    def __init__(self, spec: JobSpec, run_dir: str, *, say: Callable[[str], None],
+                 written: bool) -> None:
+        self.spec, self.run_dir, self.say, self.written = spec, run_dir, say, written
+
+    def update(self, status: JobStatus) -> None:
+        from ringray.spec.run_spec import write_run_spec
+
+        if self.written or not job_started(status):
+            return
+        self.written = True
+        try:
+            write_run_spec(self.spec, run_dir=self.run_dir)
+        except OSError as exc:
+            self.say(f"warning: cannot write {self.run_dir}/job.yaml ({exc.strerror}); "
+                     f"`ringray resume` needs it (train with the same spec instead)")
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, handled as Ctrl-C is."""
+
+
+def _terminate(signum, frame) -> None:
+    raise _Terminated
+
+
+def _signal_of(interrupt: KeyboardInterrupt) -> int:
+    return signal.SIGTERM if isinstance(interrupt, _Terminated) else signal.SIGINT
+
+
+def _run_on_ray(spec: JobSpec, job: JobOptions, *, address: str | None) -> None:
+    if address is None:
+        # An embedded Ray listens on loopback only and ends with this command: Ray 2.60's
+        # token authentication protects nothing there, and its token file outlives the run.
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # `ringray stop` (Ray's job stop), `timeout` and systemd send SIGTERM: handled like
+    # Ctrl-C, checkpoint and stop. Set before connect, which keeps it through ray.init.
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        _follow_on_ray(spec, job, address=address)
+    finally:
+        if previous is not None:  # None: a handler not set from Python, which cannot restore it
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _follow_on_ray(spec: JobSpec, job: JobOptions, *, address: str | None) -> None:
     from ringray.cluster.driver import (
+        RayUnavailable,
         connect,
         follow,
         job_status,
@@ -110,17 +247,15 @@ def _run_on_ray(job: JobOptions, *, address: str | None) -> None:
         start_controller,
     )
 
-    if address is None:
-        # An embedded Ray listens on loopback only and ends with this command: Ray 2.60's
-        # token authentication protects nothing there, and its token file outlives the run.
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    with err.status("starting Ray..." if address is None else f"connecting to {address}..."):
-        try:
-            world = job.dp_max * job.cp
+    world = job.dp_max * job.cp
+    try:
+        with err.status("starting Ray..." if address is None else f"connecting to {address}..."):
             embedded = connect(address, local_cpus=max(world, os.cpu_count() or 1))
-        except (ConnectionError, ValueError, RuntimeError) as exc:
-            fail(f"--address {address}: cannot connect to Ray ({str(exc).splitlines()[0]})"
-                 if address else f"cannot start a local Ray: {exc}")
+    except RayUnavailable as exc:
+        fail(f"--address {address}: {exc}" if address else str(exc))
+    except KeyboardInterrupt as interrupt:
+        err.print("interrupted while Ray was starting; the job did not start", highlight=False)
+        raise typer.Exit(code=128 + _signal_of(interrupt)) from None
     note = None
     if embedded:  # nothing can join an embedded Ray: do not wait for capacity
         job = replace(job, cluster=replace(job.cluster, capacity_wait_seconds=0,
@@ -135,15 +270,20 @@ def _run_on_ray(job: JobOptions, *, address: str | None) -> None:
     if url:
         err.print(f"metrics: {url} (Prometheus; dashboards in dashboards/)", highlight=False)
     view = _TrainView(job.train.train.steps)
+    # A reattached job's spec was written by the driver that started it.
+    run_spec = _RunSpecWriter(spec, job.train.run_dir, say=view.say, written=reattached)
+
+    def on_status(status: JobStatus) -> None:
+        view.update(status)
+        run_spec.update(status)
+
     final = None
-    # `ringray stop` (Ray's job stop) sends SIGTERM: handled like Ctrl-C, checkpoint and stop.
-    signal.signal(signal.SIGTERM, _interrupt)
     with view:
         while final is None:
             try:
-                final = follow(controller, on_status=view.update)
-            except KeyboardInterrupt:
-                presses = view.interrupt()
+                final = follow(controller, on_status=on_status)
+            except KeyboardInterrupt as interrupt:
+                presses = view.interrupt(_signal_of(interrupt))
                 if presses == 1:
                     # The state the request met, not the last one polled: a job seen
                     # starting may be training by now, and then it checkpoints first.
@@ -152,7 +292,7 @@ def _run_on_ray(job: JobOptions, *, address: str | None) -> None:
                 elif not embedded:
                     err.print("detached; the job goes on (ringray train with the same spec "
                               "reattaches)")
-                    raise typer.Exit(code=130) from None
+                    raise typer.Exit(code=view.exit_code) from None
                 elif presses == 2:
                     view.say("still stopping: an embedded Ray cannot be detached (the job "
                              "ends with this command); Ctrl-C once more to quit without "
@@ -160,14 +300,14 @@ def _run_on_ray(job: JobOptions, *, address: str | None) -> None:
                 else:
                     err.print("quit without waiting for the stop; the last committed "
                               "checkpoint stays (ringray train resumes from it)")
-                    raise typer.Exit(code=130) from None
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                    raise typer.Exit(code=view.exit_code) from None
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the job has ended: nothing to stop
     release(controller)
     _report_end(final, job.train.run_dir)
     if note and final.last_stats is not None:
         err.print(note, highlight=False)  # again beside the figures it explains
     if final.state == "stopped":
-        raise typer.Exit(code=130)  # stopped by Ctrl-C: checkpointed, but not finished
+        raise typer.Exit(code=view.exit_code)  # checkpointed, but not finished
 
 
 def _stopping_message(state: str, *, embedded: bool) -> str:
@@ -195,10 +335,6 @@ def oversubscription_note(*, world: int, cores: int, cp: int) -> str | None:
             f"parallel.cp={fits}, the peer wait shrinks)")
 
 
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
-
-
 class _TrainView:
     """A progress bar with one live line, and the controller's events printed above it."""
 
@@ -214,12 +350,21 @@ class _TrainView:
                                            line="")
         self.events_seen = 0.0
         self.interrupts = 0
+        self.first_signal = signal.SIGINT  # what stopped the job (a stop by another client: 130)
         self.state = "placing"  # the job's state at the last update
 
-    def interrupt(self) -> int:
-        """Count a Ctrl-C (or SIGTERM); returns how many there have been."""
+    def interrupt(self, signum: int) -> int:
+        """Count a Ctrl-C or SIGTERM (``signum``); returns how many there have been."""
         self.interrupts += 1
+        if self.interrupts == 1:
+            self.first_signal = signum
         return self.interrupts
+
+    @property
+    def exit_code(self) -> int:
+        """The command's exit code once the job is stopped: 128 + the signal that stopped it
+        (130 for Ctrl-C, 143 for SIGTERM), as shells report a process a signal ended."""
+        return 128 + self.first_signal
 
     def __enter__(self) -> _TrainView:
         self.progress.start()

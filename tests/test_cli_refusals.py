@@ -1,0 +1,130 @@
+"""What `ringray train`, `resume` and `export` refuse before anything starts, each in one line
+with exit code 2 and never a traceback (issue 28): an address where no Ray answers (within
+seconds, not minutes), a job whose workers cannot fit this machine's memory, a resume past its
+own train.steps, an embedded Ray that does not start, an export onto a file."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from ringray.cli import app
+from ringray.spec import load_job_spec
+from ringray.spec.run_spec import write_run_spec
+from ringray.train import CheckpointStore
+
+pytestmark = pytest.mark.timeout(300)
+
+ROOT = Path(__file__).resolve().parent.parent
+RINGRAY = str(Path(sys.executable).parent / "ringray")
+
+
+def _ringray(*args: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
+    started = time.monotonic()
+    try:
+        result = subprocess.run([RINGRAY, *args], cwd=ROOT, capture_output=True, text=True,
+                                timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"ringray {' '.join(args[:2])} gave no answer within {timeout:.0f} s")
+    return result, time.monotonic() - started
+
+
+def _one_line(output: str) -> str:
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in output, output
+    return lines[0]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _short(run_dir: Path) -> list[str]:
+    return ["--set", f"run_dir={run_dir}", "--set", "train.seq_len=512", "--set",
+            "parallel.cp=2", "--set", "eval.passkey_lengths=[]", "--set", "metrics.port=null"]
+
+
+def test_an_address_where_nothing_listens_fails_within_seconds(tmp_path: Path) -> None:
+    """It waited 290 s and more, with only Ray's warnings, before."""
+    port = _free_port()
+    result, took = _ringray("train", "jobs/quickstart.yaml", "--address",
+                            f"127.0.0.1:{port}", *_short(tmp_path / "run"))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    line = result.stderr.strip().splitlines()[-1]  # the job's banner comes first
+    assert line.startswith("error: ") and "Ray" not in result.stdout
+    assert f"--address 127.0.0.1:{port}: nothing answers at 127.0.0.1:{port}: connection " \
+           f"refused" in line
+    assert took < 60  # the probe waits 5 s at most; the rest is Python and torch starting
+
+
+def test_a_job_that_cannot_fit_this_machine_is_refused_before_ray(tmp_path: Path) -> None:
+    """seq 16M on CPU: the plan's per-worker peak is hundreds of GiB; refused with the
+    figures (it ran, workers grew to 9 GB each until Ray killed them, before)."""
+    run_dir = tmp_path / "run"
+    result, took = _ringray("train", "jobs/quickstart.yaml", *_short(run_dir),
+                            "--set", "train.seq_len=16777216", timeout=90)
+    assert result.returncode == 2, result.stderr[-3000:]
+    line = _one_line(result.stderr)
+    assert "memory: one worker needs about" in line
+    assert "this host's available memory" in line and "shared by 2 workers" in line
+    assert "(--force starts it anyway)" in line
+    assert not run_dir.exists()  # nothing was started, nothing written
+
+
+def test_a_resume_below_its_checkpoints_step_is_refused(tmp_path: Path) -> None:
+    """It restored step 20, trained nothing and said "finished at step 20/10" before."""
+    run_dir = tmp_path / "run"
+    CheckpointStore(str(run_dir / "checkpoints"), lineage="old").save(
+        20, {"w": torch.zeros(2)}, keep=3)
+    result, _ = _ringray("train", "jobs/quickstart.yaml", "--steps", "10", *_short(run_dir))
+    assert result.returncode == 2, result.stderr[-3000:]
+    line = _one_line(result.stderr)
+    assert "train.steps: 10 is below step 20 of the checkpoint this run resumes" in line
+    assert "give --steps 20 or more" in line
+
+
+def test_an_embedded_ray_that_does_not_start_is_one_line(tmp_path: Path, monkeypatch) -> None:
+    """Ray's start timing out on a loaded machine raised a plain Exception: a traceback."""
+    import ray
+
+    def times_out(**kwargs):
+        raise Exception("The current node timed out during startup. This could happen "
+                        "because some of the raylet failed to startup or the GCS has become "
+                        "overloaded.")
+
+    monkeypatch.setattr(ray, "init", times_out)
+    monkeypatch.chdir(ROOT)
+    result = CliRunner().invoke(app, ["train", "jobs/quickstart.yaml",
+                                      *_short(tmp_path / "run")])
+    assert result.exit_code == 2, result.output
+    assert "error: cannot start a local Ray (The current node timed out during startup. " \
+           "This could happen" in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_an_export_onto_a_file_names_it(tmp_path: Path, monkeypatch) -> None:
+    """It said "[Errno 17] File exists" before, naming neither the path nor the problem."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    spec = load_job_spec(ROOT / "jobs/quickstart.yaml", [f"run_dir={run_dir}"],
+                         check_paths=False)
+    write_run_spec(spec, run_dir=str(run_dir))
+    target = tmp_path / "model.safetensors"
+    target.write_text("not a directory")
+    monkeypatch.chdir(ROOT)
+    result = CliRunner().invoke(app, ["export", str(run_dir), "--hf", str(target)])
+    assert result.exit_code == 2, result.output
+    assert _one_line(result.output) == f"error: --hf: '{target}' is a file; give a directory"
+    result = CliRunner().invoke(app, ["export", str(run_dir), "--hf", f"{target}/out"])
+    assert result.exit_code == 2
+    assert f"cannot be created: {target} is a file" in _one_line(result.output)
