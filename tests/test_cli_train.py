@@ -224,3 +224,21 @@ def test_ctrl_c_during_the_evaluation_ends_it_promptly(tmp_path: Path) -> None:
     assert "job 'cli-test' stopped at step 2/2" in stdout
     assert took < 20
     assert not (run_dir / "passkey.json").exists()
+
+
+def test_stop_signals_while_the_controller_starts_wait_for_it() -> None:
+    """Ctrl-C or SIGTERM while `ringray train` starts its controller raised out of the start
+    (a traceback, and a job left without its stop); now they are held back and handed to the
+    follow loop, which stops the job as for any other Ctrl-C."""
+    from ringray.cli.train import _deferring_stop_signals
+
+    def start() -> str:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)
+        return "controller"
+
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    result, came = _deferring_stop_signals(start)
+    assert result == "controller"
+    assert came == [signal.SIGTERM, signal.SIGINT]
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers

@@ -7,7 +7,7 @@ import signal
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import typer
 from rich.console import Console
@@ -19,6 +19,8 @@ if TYPE_CHECKING:  # torch and Ray are imported when the command runs, not for -
     from ringray.cluster.job_options import JobOptions
     from ringray.cluster.status import JobStatus
     from ringray.spec import JobSpec
+
+T = TypeVar("T")
 
 
 def train(
@@ -221,6 +223,24 @@ def _signal_of(interrupt: KeyboardInterrupt) -> int:
     return signal.SIGTERM if isinstance(interrupt, _Terminated) else signal.SIGINT
 
 
+def _deferring_stop_signals(work: Callable[[], T]) -> tuple[T, list[int]]:
+    """``work()``, with Ctrl-C and SIGTERM held back until it returns; its result and the
+    signals that came meanwhile, for the caller to handle as if they came next."""
+    came: list[int] = []
+
+    def hold(signum: int, frame: object) -> None:
+        came.append(signum)
+
+    previous = {signum: signal.signal(signum, hold)
+                for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        result = work()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    return result, came
+
+
 def _run_on_ray(spec: JobSpec, job: JobOptions, *, address: str | None) -> None:
     if address is None:
         # An embedded Ray listens on loopback only and ends with this command: Ray 2.60's
@@ -263,7 +283,8 @@ def _follow_on_ray(spec: JobSpec, job: JobOptions, *, address: str | None) -> No
         note = oversubscription_note(world=world, cores=os.cpu_count() or 1, cp=job.cp)
         if note:
             err.print(note, highlight=False)
-    controller, reattached = start_controller(job)
+    # A Ctrl-C or SIGTERM while the controller starts waits until there is one to stop.
+    (controller, reattached), early = _deferring_stop_signals(lambda: start_controller(job))
     if reattached:
         err.print(f"reattached to the running job {job.name!r}")
     url = job_status(controller).metrics_url
@@ -281,6 +302,8 @@ def _follow_on_ray(spec: JobSpec, job: JobOptions, *, address: str | None) -> No
     with view:
         while final is None:
             try:
+                if early:
+                    raise _Terminated if early.pop(0) == signal.SIGTERM else KeyboardInterrupt
                 final = follow(controller, on_status=on_status)
             except KeyboardInterrupt as interrupt:
                 presses = view.interrupt(_signal_of(interrupt))
