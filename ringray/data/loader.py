@@ -300,13 +300,19 @@ class PackedLoader:
         return PackedBatch(inputs=inputs, labels=labels, documents=documents,
                            counted_labels=self.counted_labels(index, documents=True))
 
-    def counted_labels(self, index: int, *, documents: bool) -> int:
+    def counted_labels(self, index: int, *, documents: bool, rows: range | None = None) -> int:
         """Labels of global batch ``index`` (every DP rank's rows, so the same number on
         each rank) that count in the loss: the loss's denominator. A source's ``loss_mask``
         leaves some out (:meth:`batch`), and with ``documents`` so does each document's last
-        token (:meth:`packed`). Read from the epoch orders and the cached masks alone."""
-        first = index * self.global_batch * self.seq_len
-        stop = first + self.global_batch * self.seq_len
+        token (:meth:`packed`). Read from the epoch orders and the cached masks alone.
+        ``rows``: only these consecutive rows of the global batch (a replica group's slice,
+        :mod:`ringray.train.replicas`); the slices' counts add up to the batch's."""
+        rows = range(self.global_batch) if rows is None else rows
+        if rows.step != 1 or not 0 <= rows.start <= rows.stop <= self.global_batch:
+            raise ValueError(f"rows: {rows} must be consecutive rows of the global batch "
+                             f"(0 to {self.global_batch})")
+        first = (index * self.global_batch + rows.start) * self.seq_len
+        stop = first + len(rows) * self.seq_len
         if self._loss_mask is None:
             ends = len(self._document_ends(first, stop)) if documents else 0
             return stop - first - ends

@@ -19,6 +19,7 @@ raise ``ValueError`` naming the field, so Python callers get the same messages a
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
@@ -76,6 +77,15 @@ class ParallelOptions:
 
     dp: Annotated[int, Ge(1)] | None = 1
     """Data-parallel replicas; null: world size / cp (torchrun only)."""
+    dp_replicate: Annotated[int, Ge(1)] = 1
+    """Replica groups, each a whole dp × cp mesh, so that a replica's death stops no other
+    (torchft). Each takes its own slice of train.global_batch by replica index; gradients
+    are averaged over the replicas in each step's quorum (the token mean over their counted
+    labels), and a replica that misses steps drops its slices of them, so the loader's
+    position stays the step's. A replica that joins late heals from a live peer (weights,
+    optimizer state, loader position, RNG, step). 1: none (a fault restarts the job from
+    its checkpoint). More needs torchft and a driver that starts the groups
+    (ringray.train.replicas); train.global_batch must split over dp_replicate × dp."""
     cp: Annotated[int, Ge(1)] | None = None
     """Context-parallel ranks per sequence, ring × ulysses; null: world size / dp (torchrun
     only)."""
@@ -100,6 +110,10 @@ class ParallelOptions:
     precision the gathered weights are bf16 and gradients are reduced in fp32."""
 
     def __post_init__(self) -> None:
+        if self.dp_replicate > 1 and importlib.util.find_spec("torchft") is None:
+            raise ValueError(
+                f"dp_replicate: {self.dp_replicate} replica groups need torchft, which is not "
+                f"installed; pip install torchft, or use 1")
         if self.cp is not None and self.cp % self.ulysses:
             raise ValueError(
                 f"ulysses: {self.ulysses} does not divide cp={self.cp} (cp = ring × ulysses: "
@@ -119,7 +133,8 @@ class TrainingOptions:
     steps: Annotated[int, Ge(1)] = 100
     """Optimizer steps (the schedule's length)."""
     global_batch: Annotated[int, Ge(1)] = 4
-    """Sequences per step over all data-parallel replicas; a multiple of parallel.dp."""
+    """Sequences per step over all data-parallel replicas; a multiple of parallel.dp (times
+    parallel.dp_replicate)."""
     seq_len: SeqLen = 1024
     """Tokens per sequence (split over the ring by the layout)."""
     seed: int = 0
@@ -225,11 +240,14 @@ class TrainOptions:
 
     def __post_init__(self) -> None:
         train, parallel = self.train, self.parallel
-        if parallel.dp is not None and train.global_batch % parallel.dp:
-            raise ValueError(
-                f"train.global_batch: {train.global_batch} does not split over "
-                f"parallel.dp={parallel.dp} replicas; use a multiple of {parallel.dp}"
-            )
+        replicas = parallel.dp_replicate
+        slices = replicas * (parallel.dp or 1)  # an inferred dp is checked by the Trainer
+        if train.global_batch % slices:
+            over = (f"parallel.dp={parallel.dp} replicas" if replicas == 1 else
+                    f"parallel.dp_replicate={replicas} replica groups" if parallel.dp is None
+                    else f"parallel.dp_replicate={replicas} × dp={parallel.dp} = {slices} slices")
+            raise ValueError(f"train.global_batch: {train.global_batch} does not split over "
+                             f"{over}; use a multiple of {slices}")
         if parallel.layout == "balanced" and not self.data.documents:
             raise ValueError(
                 "parallel.layout: 'balanced' lays each sequence out by its documents and needs "

@@ -62,6 +62,18 @@ class StepStats:
     peer_wait_seconds: list[float] = field(default_factory=list)
     peer_wait_seconds_max: float = 0.0  # the rank that waited longest for a peer
     ring_transfer_seconds: list[float] = field(default_factory=list)  # the exchanges alone
+    # Replica groups (parallel.dp_replicate, ringray.train.replicas); the defaults describe a
+    # job without them, so steps.jsonl lines from before these fields still load.
+    committed: bool = True  # False: a replica failed during the step; it was not taken, and
+    # the same batch is tried again (``step`` is the count before it)
+    quorum_size: int = 1  # replica groups in this step's quorum (torchft)
+    replicas_participating: list[int] = field(default_factory=list)  # replica indices whose
+    # gradients the committed step averaged; empty without replica groups or when not committed
+    samples_dropped: int = 0  # sequences of the global batch not trained on: the slices of
+    # the replica groups missing from a committed step
+    quorum_seconds: float = 0.0  # forming the quorum at the step's start (a heal included)
+    healed: bool = False  # this replica group loaded a live peer's state at the step's start
+    heal_seconds: float = 0.0  # from asking for the quorum to the peer's state loaded
 
     def to_dict(self) -> dict:
         return asdict(self)

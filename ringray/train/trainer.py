@@ -33,6 +33,12 @@ is kept in a small LRU keyed by the lengths. Labels that cross a document bounda
 does not depend on dp, cp or how rows are split. ``StepStats.tokens`` (and tokens/s) still
 counts every input token, and MFU still counts causal attention over the whole sequence, as
 without documents: it overstates the attention FLOPs the document mask leaves.
+
+Replica groups (``parallel.dp_replicate``): a trainer given a
+:class:`~ringray.train.replicas.ReplicaSync` is one rank of one group. It reads its group's
+slice of each global batch, joins the step's quorum first (a group behind it heals from a
+live peer there), averages its reduced gradients with the other groups', and steps only when
+torchft commits the step (:mod:`ringray.train.replicas`).
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ from ringray.model import RingContext, Transformer, load_hf_weights
 from ringray.train.checkpoint import CheckpointError, CheckpointRef, CheckpointStore
 from ringray.train.mesh import Mesh, build_mesh, resolve_mesh_shape
 from ringray.train.options import TrainOptions, check_token_budget
+from ringray.train.replicas import ReplicaSync, check_replicas
 from ringray.train.schedule import learning_rate
 from ringray.train.sharding import (
     all_reduce_gradients,
@@ -120,13 +127,18 @@ class Trainer:
             the layout, batch vs. dp), naming the field. Raised before any training.
     """
 
-    def __init__(self, options: TrainOptions, *, device: torch.device | None = None) -> None:
+    def __init__(self, options: TrainOptions, *, device: torch.device | None = None,
+                 replicas: ReplicaSync | None = None) -> None:
         self.options = options
+        check_replicas(replicas, options.parallel.dp_replicate)
+        # This rank's link to the other replica groups (parallel.dp_replicate), or None.
+        self.replicas = replicas
         self.device = device or default_device()
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         shape = resolve_mesh_shape(world_size=world, dp=options.parallel.dp,
                                    cp=options.parallel.cp, ulysses=options.parallel.ulysses)
-        self.layout = self._checked_layout(options, shape.dp, shape.cp)
+        self.layout = self._checked_layout(
+            options, shape.dp * options.parallel.dp_replicate, shape.cp)
         self.mesh: Mesh = build_mesh(shape, device_type=self.device.type)
         self.ring_stats = RingStats()
         self.ring = RingContext(
@@ -144,6 +156,9 @@ class Trainer:
             )
         if options.pretrained:
             check_token_budget(options, self.tokenizer)
+        # A replica group reads its own slice of each global batch (ringray.train.replicas).
+        data_rank, data_size = ((self.mesh.dp_rank, shape.dp) if replicas is None
+                                else replicas.loader_slot(self.mesh.dp_rank, shape.dp))
         self.loader = PackedLoader(
             make_source(
                 options.data.source, options.data.path, seq_len=options.train.seq_len,
@@ -151,7 +166,7 @@ class Trainer:
             ),
             tokenizer=self.tokenizer,
             seq_len=options.train.seq_len, global_batch=options.train.global_batch,
-            dp_rank=self.mesh.dp_rank, dp_size=shape.dp, seed=options.data.seed,
+            dp_rank=data_rank, dp_size=data_size, seed=options.data.seed,
         )
         # The same seed on every rank: the replicas start from identical weights.
         torch.manual_seed(options.train.seed)
@@ -261,8 +276,8 @@ class Trainer:
         for this rank's share of the kv heads (repeated first when ulysses > kv heads)."""
         cfg = self.options.model
         dtype = self.compute_dtype or torch.float32
-        rows = 1 if self.options.data.documents else (  # documents: one row per ring pass
-            self.options.train.global_batch // self.mesh.shape.dp)
+        # documents: one row per ring pass
+        rows = 1 if self.options.data.documents else self.loader.local_batch
         ulysses = self.mesh.shape.ulysses
         k_block = torch.zeros(
             rows, self.layout.ring.local_len,
@@ -357,6 +372,8 @@ class Trainer:
         start = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        if self.replicas is not None:  # this step's quorum; a group behind it heals here
+            self.replicas.start_step(self)
         train = self.options.train
         opt = train.optimizer
         lr = learning_rate(
@@ -376,10 +393,15 @@ class Trainer:
             loss_sum, counted_labels = self._batch_backward()
         if not self.sharded:
             all_reduce_gradients(self.model)
+        committed = True
+        if self.replicas is not None:  # the mean over the replica groups of this step
+            loss_sum, counted_labels, committed = self.replicas.sync_gradients(
+                self, loss_sum, counted_labels)
         clip = opt.grad_clip if opt.grad_clip > 0 else float("inf")
         grad_norm = clip_gradients_(self.model.parameters(), clip)
-        self.optimizer.step()
-        self.step_count += 1
+        if committed:
+            self.optimizer.step()
+            self.step_count += 1
 
         # Resolves CUDA events (once per step, here) and splits exposed waits into transfer
         # not hidden and peer wait against the standalone rate, timed on the same clock.
@@ -397,12 +419,13 @@ class Trainer:
             "peak_memory_bytes": float(_peak_memory_bytes(self.device)),
         }
         reports = self._gather_reports([report[name] for name in REPORT_FIELDS])
-        return summarize_step(
+        stats = summarize_step(
             reports, shape=self.mesh.shape, step=self.step_count, grad_norm=grad_norm.item(),
             learning_rate=lr, step_seconds=time.perf_counter() - start, tokens=global_tokens,
             flops_per_token=self.flops_per_token,
             peak_flops_per_device=self.peak_flops_per_device, counted_labels=counted_labels,
         )
+        return stats if self.replicas is None else self.replicas.step_stats(stats)
 
     # ----------------------------------------------------------------- evaluation
     @torch.no_grad()
@@ -488,6 +511,12 @@ class Trainer:
                 f"model: checkpoint {ref.location} was trained with a different model "
                 f"(fields that differ: {changed})"
             )
+        self.load_state_dict(state)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore weights, optimizer, loader position, step and RNG from a state shaped as
+        :meth:`state_dict`'s: a checkpoint's, or a live peer's when a replica group heals
+        (:mod:`ringray.train.replicas`)."""
         set_state_dict(
             self.model, self.optimizer,
             model_state_dict=state["model"], optim_state_dict=state["optimizer"],

@@ -1,0 +1,376 @@
+"""Replica groups (``parallel.dp_replicate``): copies of the dp × cp mesh that average their
+gradients through torchft, so that one replica group's death stops no other and rolls back
+no committed step.
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1)   # one per job (torchft)
+    group = ReplicaGroup(index=r, count=R, lighthouse=lighthouse.address(),
+                         store=(master_addr, master_port))        # replica r's own store
+    trainer = Trainer(options, replicas=ReplicaSync(group))       # every rank of replica r
+    while trainer.step_count < options.train.steps:
+        stats = trainer.step()    # stats.committed, .replicas_participating, .healed
+    trainer.replicas.shutdown()
+
+Each replica group is its own ``torch.distributed`` world (its own torchrun, or its own plain
+processes), holding the whole dp × ring × ulysses mesh of today (:mod:`ringray.train.mesh`),
+FSDP included: inside a replica nothing changes. Across replicas, rank *i* of every group
+holds the same weights (or, under FSDP, the same shard), so each rank averages its gradients
+with rank *i* of the other groups through its own torchft ``Manager`` (a quorum per step at
+the Lighthouse, a process group reconfigured to the quorum's members), and the optimizer
+steps only when ``should_commit()`` says every rank of the group succeeded.
+
+**The batch.** The global batch's rows are cut into ``dp_replicate × dp`` slices in order:
+replica *r*'s dp rank *d* reads slice ``r × dp + d`` (its loader is that of a dp of
+``dp_replicate × dp``), so with every replica present a step reads exactly what a run of
+``dp_replicate × dp`` replicas in one world reads.
+
+**An exact average.** Every rank backpropagates its token sum divided by the *global*
+batch's counted labels, as without replicas, and the replica sums its ranks' gradients as
+today. Across replicas the gradients are *summed* (not torchft's default mean), with each
+replica's counted labels and loss sum beside them, and the sum is scaled by
+``global counted labels / counted labels of the replicas that took part``. The gradient is
+then the token mean over exactly the counted labels trained on, whether every replica took
+part (the factor is exactly 1: the same sums as one world of ``dp_replicate × dp``) or some
+were missing; a mean of per-replica means would weigh a replica's tokens by how many its
+slice happened to count.
+
+**A replica that misses steps.** Its slices of those steps are *dropped*, not handed to the
+survivors: every batch index keeps its fixed rows, so a replica's reads never depend on who
+else was alive, a survivor's step keeps its shape and memory, and the samples lost are
+counted (``StepStats.samples_dropped``). Every replica's loader stands at its committed step
+(``loader.next_index == step_count``): a step that is not committed (a peer died during it)
+is not taken, its batch is read again by the next attempt, and the RNG is put back as it was
+at the step's start; a replica that heals takes its peer's position. A checkpoint written by
+any replica therefore resumes exactly.
+
+**Healing.** A replica group behind the quorum's step (started late, or restarted after a
+death) receives, at a step's start and before its forward, the full state of a live peer's
+rank with its own rank number: weights, optimizer state, loader position, RNG and step
+(:meth:`Trainer.state_dict <ringray.train.trainer.Trainer.state_dict>`, FSDP shards as this
+rank's local tensors), through torchft's checkpoint transport (HTTP by default).
+
+torchft gives the quorum, the reconfigurable process group, ``should_commit`` and the
+transfer of a state dict from a live peer; ringray adds which rows a replica reads, the exact
+average, the rewind of an uncommitted step, the state a heal carries and what each step
+reports. The Lighthouse (its ``min_replicas``, ``join_timeout_ms`` and
+``heartbeat_timeout_ms``: a dead replica is left out once its heartbeats stop for that long)
+belongs to whoever starts the job.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch.distributed import ReduceOp
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map
+
+from ringray.train.sharding import local_tensor
+from ringray.train.step_stats import StepStats
+
+if TYPE_CHECKING:
+    from ringray.train.trainer import Trainer
+
+REPLICA_ID_PREFIX = "ringray_replica_"
+"""A group's torchft replica id is this prefix and its index (torchft reads the trailing
+digits as the group's number)."""
+
+
+# ----------------------------------------------------------------- plain data
+@dataclass(frozen=True, kw_only=True)
+class ReplicaGroup:
+    """Which replica group this process belongs to and how it reaches the others."""
+
+    index: int
+    """This group's index, 0 to count - 1: which slice of each global batch it reads."""
+    count: int
+    """Replica groups of the job (``parallel.dp_replicate``)."""
+    lighthouse: str
+    """The torchft Lighthouse's address (``LighthouseServer.address()``)."""
+    store: tuple[str, int]
+    """``(host, port)`` of this group's TCPStore (torchrun's MASTER_ADDR and MASTER_PORT);
+    the other groups reach it, so the host must be an address they can reach."""
+    timeout_seconds: float = 60.0
+    """A cross-replica collective, a ``should_commit`` or a heal's transfer may take this
+    long before the step is given up (not committed)."""
+    quorum_timeout_seconds: float = 60.0
+    """How long a step's start waits for the quorum to form."""
+
+    def __post_init__(self) -> None:
+        if self.count < 1:
+            raise ValueError(f"parallel.dp_replicate: {self.count} must be >= 1")
+        if not 0 <= self.index < self.count:
+            raise ValueError(f"replica index: {self.index} is not one of the "
+                             f"{self.count} replica groups (0 to {self.count - 1})")
+
+    @property
+    def replica_id(self) -> str:
+        return f"{REPLICA_ID_PREFIX}{self.index}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplicaStep:
+    """What the replicas did in one step, for :class:`StepStats`."""
+
+    committed: bool
+    quorum_size: int
+    participating: tuple[int, ...]  # replica indices; () when not committed
+    samples_dropped: int
+    quorum_seconds: float
+    healed: bool
+    heal_seconds: float
+
+
+def replica_world_size(workers: int, dp_replicate: int) -> int:
+    """Ranks per replica group when a job of ``workers`` ranks is ``dp_replicate`` groups.
+
+    Raises:
+        ValueError: showing the arithmetic when the groups cannot be equal.
+    """
+    if dp_replicate < 1 or workers % dp_replicate:
+        raise ValueError(
+            f"parallel.dp_replicate: {dp_replicate} does not divide the {workers} workers into "
+            f"equal replica groups; use a divisor of {workers}")
+    return workers // dp_replicate
+
+
+def loader_slot(index: int, count: int, dp_rank: int, dp: int) -> tuple[int, int]:
+    """``(dp_rank, dp_size)`` a rank's loader reads as: replica ``index`` of ``count``
+    takes slice ``index × dp + dp_rank`` of ``count × dp``."""
+    return index * dp + dp_rank, count * dp
+
+
+def replica_rows(index: int, count: int, global_batch: int) -> range:
+    """The rows of each global batch that replica group ``index`` of ``count`` reads."""
+    rows = global_batch // count
+    return range(index * rows, (index + 1) * rows)
+
+
+def participation_scale(counted_labels: int, counted_participating: int) -> float:
+    """What the summed gradients are multiplied by: each replica's gradients are divided by
+    the global batch's counted labels, the step's mean is over the participants' only.
+    Exactly 1.0 when every replica took part."""
+    if counted_participating == counted_labels:
+        return 1.0
+    return counted_labels / max(counted_participating, 1)
+
+
+def check_replicas(replicas: ReplicaSync | None, dp_replicate: int) -> None:
+    """Raise ``ValueError`` in one line unless a trainer of a job with ``dp_replicate``
+    groups is given its group's sync (and one of a job without them is given none)."""
+    if replicas is not None:
+        if dp_replicate != replicas.group.count:
+            raise ValueError(
+                f"parallel.dp_replicate: {dp_replicate}, but this replica group was started "
+                f"as one of {replicas.group.count}; start dp_replicate groups")
+    elif dp_replicate > 1:
+        raise ValueError(
+            f"parallel.dp_replicate: {dp_replicate} replica groups need a ReplicaSync per "
+            f"trainer (ringray.train.replicas), which neither `python -m ringray.train` nor "
+            f"`ringray train` starts yet; use 1")
+
+
+def require_torchft() -> Any:
+    """The torchft module, or ``ValueError`` in one line if it cannot be imported."""
+    try:
+        return importlib.import_module("torchft")
+    except ImportError as exc:
+        raise ValueError(f"parallel.dp_replicate: replica groups need torchft, which cannot be "
+                         f"imported ({exc}); pip install torchft") from None
+
+
+# ----------------------------------------------------------------- torchft's side
+class ReplicaManager(Protocol):
+    """The part of ``torchft.Manager`` a :class:`ReplicaSync` uses (a fake in unit tests)."""
+
+    def start_quorum(self) -> None: ...
+    def allreduce(self, tensor: torch.Tensor, *, reduce_op: Any) -> Any: ...  # .wait()
+    def should_commit(self) -> bool: ...
+    def num_participants(self) -> int: ...
+    def shutdown(self, wait: bool = True) -> None: ...
+
+
+ManagerFactory = Callable[[ReplicaGroup, int, int, Callable[[], dict],
+                           Callable[[dict], None]], ReplicaManager]
+"""``(group, rank, world_size, state_dict, load_state_dict) -> manager``."""
+
+
+def torchft_manager(group: ReplicaGroup, rank: int, world_size: int,
+                    state_dict: Callable[[], dict],
+                    load_state_dict: Callable[[dict], None]) -> ReplicaManager:
+    """A torchft ``Manager`` for ``rank`` of ``group``: gloo across replicas on CPU, NCCL on
+    CUDA; a synchronous quorum (a heal finishes before the step's forward); no sync at step
+    0 (every replica builds the same weights from ``train.seed``)."""
+    torchft = require_torchft()
+    timeout = timedelta(seconds=group.timeout_seconds)
+    pg = (torchft.ProcessGroupNCCL(timeout=timeout) if torch.cuda.is_available()
+          else torchft.ProcessGroupGloo(timeout=timeout))
+    host, port = group.store
+    return torchft.Manager(
+        pg=pg, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=1,
+        use_async_quorum=False, init_sync=False, timeout=timeout,
+        quorum_timeout=timedelta(seconds=group.quorum_timeout_seconds),
+        connect_timeout=timeout, rank=rank, world_size=world_size, store_addr=host,
+        store_port=port, lighthouse_addr=group.lighthouse, replica_id=group.replica_id,
+    )
+
+
+# ----------------------------------------------------------------- the trainer's hook
+class ReplicaSync:
+    """One rank's link to the other replica groups; the :class:`Trainer` calls it at the
+    start of each step (:meth:`start_step`) and after its own gradient reduction
+    (:meth:`sync_gradients`). ``make_manager`` replaces torchft's ``Manager`` (tests)."""
+
+    def __init__(self, group: ReplicaGroup, *,
+                 make_manager: ManagerFactory | None = None) -> None:
+        if make_manager is None:
+            require_torchft()  # before anything connects
+        self.group = group
+        self._make_manager = make_manager or torchft_manager
+        self._manager: ReplicaManager | None = None
+        self._trainer: Trainer | None = None
+        self._rng: dict[str, torch.Tensor] = {}
+        self._quorum_seconds = 0.0
+        self._healed = False
+        self.last: ReplicaStep | None = None
+        """What the replicas did in the last step."""
+
+    # ------------------------------------------------------------- setup
+    def loader_slot(self, dp_rank: int, dp: int) -> tuple[int, int]:
+        """``(dp_rank, dp_size)`` this rank's loader reads as (:func:`loader_slot`)."""
+        return loader_slot(self.group.index, self.group.count, dp_rank, dp)
+
+    def _manager_for(self, trainer: Trainer) -> ReplicaManager:
+        if self._manager is None:
+            self._trainer = trainer
+            self._manager = self._make_manager(
+                self.group, trainer.mesh.rank, trainer.mesh.shape.world_size,
+                self._heal_state, self._heal_from)
+        return self._manager
+
+    # ------------------------------------------------------------- a step
+    def start_step(self, trainer: Trainer) -> None:
+        """Join this step's quorum; a group behind it loads a live peer's state here (before
+        the step's forward, so it trains the same step as its peers)."""
+        manager = self._manager_for(trainer)
+        self._healed = False
+        start = time.perf_counter()
+        manager.start_quorum()
+        self._quorum_seconds = time.perf_counter() - start
+        self._rng = _rng_state(trainer.device)
+
+    def sync_gradients(self, trainer: Trainer, loss_sum: torch.Tensor,
+                       counted_labels: int) -> tuple[torch.Tensor, int, bool]:
+        """Sum this rank's gradients, loss sum, counted labels and replica index with the
+        same rank of the other groups in the quorum, scale the gradients to the mean over
+        the participants' counted labels (:func:`participation_scale`), and ask torchft
+        whether the step may be taken. Returns ``(loss_sum, counted_labels, committed)``:
+        the participants' loss sum (this rank's share) and counted labels. A step that is
+        not committed is rewound: the loader reads its batch again, the RNG is restored."""
+        manager = self._manager_for(trainer)
+        group, step = self.group, trainer.step_count
+        grads = [local_tensor(p.grad) for p in trainer.model.parameters()]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        mine = trainer.loader.counted_labels(
+            step, documents=trainer.options.data.documents,
+            rows=replica_rows(group.index, group.count, trainer.options.train.global_batch))
+        # float64: counts and loss sums stay exact; one slot per replica says who took part
+        tally = torch.zeros(2 + group.count, dtype=torch.float64, device=flat.device)
+        tally[0], tally[1], tally[2 + group.index] = loss_sum.double(), mine, 1.0
+        works = [manager.allreduce(flat, reduce_op=ReduceOp.SUM),
+                 manager.allreduce(tally, reduce_op=ReduceOp.SUM)]
+        for work in works:
+            work.wait()
+        committed = manager.should_commit()
+        quorum_size = manager.num_participants()
+        if not committed:
+            trainer.loader.next_index = step  # the next attempt reads this batch again
+            _set_rng_state(self._rng, trainer.device)
+            self._record(committed=False, quorum_size=quorum_size, participating=())
+            return loss_sum, counted_labels, False
+        counted_participating = round(tally[1].item())
+        scale = participation_scale(counted_labels, counted_participating)
+        if scale != 1.0:
+            flat.mul_(scale)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+        participating = tuple(i for i in range(group.count) if tally[2 + i].item() > 0.5)
+        self._record(committed=True, quorum_size=quorum_size, participating=participating)
+        return tally[0].to(loss_sum.dtype), counted_participating, True
+
+    def _record(self, *, committed: bool, quorum_size: int,
+                participating: tuple[int, ...]) -> None:
+        trainer = self._trainer
+        rows = trainer.options.train.global_batch // self.group.count
+        missing = self.group.count - len(participating) if committed else 0
+        self.last = ReplicaStep(
+            committed=committed, quorum_size=quorum_size, participating=participating,
+            samples_dropped=missing * rows, quorum_seconds=self._quorum_seconds,
+            healed=self._healed, heal_seconds=self._quorum_seconds if self._healed else 0.0)
+
+    def step_stats(self, stats: StepStats) -> StepStats:
+        """``stats`` with what the replicas did in this step; the MFU is the job's (the
+        global batch's tokens over every group's devices, not this group's alone)."""
+        last = self.last
+        if last is None:
+            return stats
+        return replace(
+            stats, mfu=None if stats.mfu is None else stats.mfu / self.group.count,
+            committed=last.committed, quorum_size=last.quorum_size,
+            replicas_participating=list(last.participating),
+            samples_dropped=last.samples_dropped, quorum_seconds=last.quorum_seconds,
+            healed=last.healed, heal_seconds=last.heal_seconds)
+
+    def shutdown(self) -> None:
+        """Stop this rank's torchft servers (the others see this group leave)."""
+        if self._manager is not None:
+            self._manager.shutdown(wait=False)
+            self._manager = None
+
+    # ------------------------------------------------------------- healing
+    def _heal_state(self) -> dict:
+        """What a peer behind us receives: the trainer's full state, FSDP shards as this
+        rank's local tensors (the same rank of the peer holds the same shards)."""
+        return tree_map(local_tensor, self._trainer.state_dict())
+
+    def _heal_from(self, state: dict) -> None:
+        """Load a live peer's state (torchft calls this inside :meth:`start_step`)."""
+        trainer = self._trainer
+        own = trainer.state_dict()
+        trainer.load_state_dict(_like(state, own))
+        self._healed = True
+
+
+def _like(received: Any, own: Any) -> Any:
+    """``received`` with each tensor that is a DTensor in ``own`` made one again, with its
+    placements (the tensors travel as local shards)."""
+    if isinstance(own, dict):
+        return {key: _like(received[key], own[key]) if key in own else received[key]
+                for key in received}
+    if isinstance(own, (list, tuple)) and isinstance(received, (list, tuple)):
+        return type(received)(_like(r, o) for r, o in zip(received, own, strict=True))
+    if isinstance(own, DTensor):
+        return DTensor.from_local(received.to(own.device), own.device_mesh, own.placements,
+                                  shape=own.shape, stride=own.stride(), run_check=False)
+    return received
+
+
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    state = {"torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    if "torch" in state:
+        torch.set_rng_state(state["torch"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)

@@ -1,0 +1,373 @@
+"""Replica groups (``parallel.dp_replicate``, :mod:`ringray.train.replicas`).
+
+Pure parts and the trainer's hook with a fake torchft manager, in this process; then real
+replica groups as plain processes (each its own gloo world) with torchft's Lighthouse in
+this process: two groups equal one world of dp=2, and a group's death stops no other and
+rolls back no step, and its replacement heals to the survivors' exact state.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import sys
+
+import pytest
+import torch
+from distributed import run_gloo_ranks
+from replica_cases import (
+    Events,
+    record_replica_steps,
+    start_group,
+    stop,
+    train_until_stopped,
+)
+from train_cases import gradients, rank_record_steps, tiny_options
+
+from ringray.data import PackedLoader
+from ringray.train import Trainer
+from ringray.train.options import ParallelOptions
+from ringray.train.replicas import (
+    ReplicaGroup,
+    ReplicaSync,
+    loader_slot,
+    participation_scale,
+    replica_rows,
+    replica_world_size,
+)
+
+STEPS = 3
+
+
+# ----------------------------------------------------------------- pure parts
+def test_slices_of_the_global_batch_are_those_of_one_world_of_replicas_times_dp() -> None:
+    """Replica r's dp rank d reads slice r × dp + d of dp_replicate × dp: the same rows a
+    world of dp_replicate × dp ranks reads, each exactly once."""
+    count, dp, global_batch = 3, 2, 12
+    slots = [loader_slot(r, count, d, dp) for r in range(count) for d in range(dp)]
+    assert slots == [(i, count * dp) for i in range(count * dp)]
+    rows = [replica_rows(r, count, global_batch) for r in range(count)]
+    assert [list(r) for r in rows] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+
+
+def test_the_scale_is_exactly_one_with_every_replica_and_the_participants_mean_without(
+) -> None:
+    assert participation_scale(1000, 1000) == 1.0
+    assert participation_scale(1000, 400) == 2.5
+    assert participation_scale(10, 0) == 10.0  # no counted label: zero gradients anyway
+
+
+def test_slice_counts_add_up_to_the_global_batch_count(tmp_path) -> None:
+    """A replica's counted labels (its slice only) sum, over the replicas, to the global
+    batch's, with documents and a loss mask alike (the divisor of the exact mean)."""
+    options = tiny_options(str(tmp_path), data={"source": "passkey", "documents": True},
+                           train={"seq_len": 256, "global_batch": 4})
+    trainer = Trainer(options)
+    loader: PackedLoader = trainer.loader
+    for documents in (False, True):
+        for index in range(3):
+            total = loader.counted_labels(index, documents=documents)
+            parts = [loader.counted_labels(index, documents=documents,
+                                           rows=replica_rows(r, 2, 4)) for r in range(2)]
+            assert sum(parts) == total
+            assert 0 < parts[0] < total
+
+
+# ----------------------------------------------------------------- bad input
+def test_replicas_not_dividing_the_workers_is_one_line() -> None:
+    assert replica_world_size(8, 2) == 4
+    with pytest.raises(ValueError, match=r"^parallel.dp_replicate: 3 does not divide the 8 "
+                                         r"workers into equal replica groups; use a divisor "
+                                         r"of 8$"):
+        replica_world_size(8, 3)
+
+
+def test_a_global_batch_that_does_not_split_over_the_replicas_is_one_line(tmp_path) -> None:
+    with pytest.raises(ValueError) as caught:
+        tiny_options(str(tmp_path), parallel={"dp": 1, "dp_replicate": 2},
+                     train={"global_batch": 3})
+    assert str(caught.value) == (
+        "train.global_batch: 3 does not split over parallel.dp_replicate=2 × dp=1 = 2 "
+        "slices; use a multiple of 2")
+    with pytest.raises(ValueError, match=r"^train.global_batch: 6 does not split over "
+                                         r"parallel.dp_replicate=4 replica groups; use a "
+                                         r"multiple of 4$"):
+        tiny_options(str(tmp_path), parallel={"dp": None, "dp_replicate": 4},
+                     train={"global_batch": 6})
+
+
+def test_torchft_missing_is_one_line_before_anything_connects(monkeypatch, tmp_path) -> None:
+    """Both the options (at the job file) and the sync (in a worker) refuse it."""
+    monkeypatch.setitem(sys.modules, "torchft", None)  # import torchft now fails
+    with pytest.raises(ValueError) as caught:
+        ParallelOptions(dp_replicate=2)
+    assert str(caught.value) == ("dp_replicate: 2 replica groups need torchft, which is not "
+                                 "installed; pip install torchft, or use 1")
+    group = ReplicaGroup(index=0, count=2, lighthouse="http://nowhere:1",
+                         store=("127.0.0.1", 1))
+    with pytest.raises(ValueError) as caught:
+        ReplicaSync(group)
+    message = str(caught.value)
+    assert message.startswith("parallel.dp_replicate: replica groups need torchft, which "
+                              "cannot be imported (")
+    assert "\n" not in message
+
+
+def test_a_trainer_of_replica_groups_without_its_sync_is_refused(tmp_path) -> None:
+    options = tiny_options(str(tmp_path), parallel={"dp": 1, "dp_replicate": 2})
+    with pytest.raises(ValueError, match=r"^parallel.dp_replicate: 2 replica groups need a "
+                                         r"ReplicaSync per trainer"):
+        Trainer(options)
+    sync = ReplicaSync(ReplicaGroup(index=0, count=3, lighthouse="-", store=("-", 0)),
+                       make_manager=_solo([]))
+    with pytest.raises(ValueError, match=r"^parallel.dp_replicate: 2, but this replica group "
+                                         r"was started as one of 3"):
+        Trainer(options, replicas=sync)
+
+
+def test_a_replica_index_outside_the_groups_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"^replica index: 2 is not one of the 2 replica "
+                                         r"groups \(0 to 1\)$"):
+        ReplicaGroup(index=2, count=2, lighthouse="-", store=("-", 0))
+
+
+# ----------------------------------------------------------------- the hook, a fake quorum
+class _Done:
+    def wait(self) -> bool:
+        return True
+
+
+class _SoloManager:
+    """A quorum of this replica group alone (the others dead): sums over one member are the
+    tensors themselves; ``should_commit`` answers from a script."""
+
+    def __init__(self, commits: list[bool]) -> None:
+        self.commits = list(commits)
+
+    def start_quorum(self) -> None:
+        pass
+
+    def allreduce(self, tensor: torch.Tensor, *, reduce_op: object) -> _Done:
+        return _Done()
+
+    def should_commit(self) -> bool:
+        return self.commits.pop(0)
+
+    def num_participants(self) -> int:
+        return 1
+
+    def shutdown(self, wait: bool = True) -> None:
+        pass
+
+
+def _solo(commits: list[bool]):
+    return lambda group, rank, world, state_dict, load_state_dict: _SoloManager(commits)
+
+
+def _solo_trainer(options, commits: list[bool], index: int = 0) -> Trainer:
+    group = ReplicaGroup(index=index, count=options.parallel.dp_replicate, lighthouse="-",
+                         store=("-", 0))
+    return Trainer(options, replicas=ReplicaSync(group, make_manager=_solo(commits)))
+
+
+def test_a_replica_alone_trains_on_its_slice_with_the_mean_over_its_own_labels(tmp_path
+                                                                                ) -> None:
+    """Replica 0 of 2 in a quorum of its own: its step is the mean over its slice's counted
+    labels only, which is what one device training on that slice alone computes (batch 0's
+    slice 0 is the first global batch of half the size); the other slice is dropped."""
+    options = tiny_options(str(tmp_path / "r"), parallel={"dp": 1, "dp_replicate": 2},
+                           train={"global_batch": 4})
+    alone = _solo_trainer(options, [True])
+    stats = alone.step()
+    reference = Trainer(tiny_options(str(tmp_path / "one"), train={"global_batch": 2}))
+    want = reference.step()
+    assert stats.committed and stats.replicas_participating == [0]
+    assert stats.samples_dropped == 2 and stats.quorum_size == 1
+    tol = {"atol": 1e-6, "rtol": 1e-6}
+    torch.testing.assert_close(stats.loss, want.loss, **tol)
+    torch.testing.assert_close(stats.grad_norm, want.grad_norm, **tol)
+    for name, grad in gradients(reference).items():
+        torch.testing.assert_close(gradients(alone)[name], grad, **tol)
+
+
+def test_an_uncommitted_step_is_not_taken_and_its_batch_is_read_again(tmp_path) -> None:
+    """A step torchft does not commit leaves no trace: the step count, the loader's position
+    and the RNG are as before it, and the next attempt trains exactly what a run without
+    the failure trains (same weights and AdamW state, bit for bit)."""
+    options = tiny_options(str(tmp_path), parallel={"dp": 1, "dp_replicate": 2},
+                           train={"global_batch": 4})
+    failing = _solo_trainer(options, [True, False, True])
+    failing.step()
+    rng = torch.get_rng_state()
+    stats = failing.step()
+    assert not stats.committed and stats.step == 1 and stats.replicas_participating == []
+    assert stats.samples_dropped == 0  # nothing dropped: the batch is tried again
+    assert failing.step_count == failing.loader.next_index == 1
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert failing.step().committed
+    failing_state = failing.state_dict()
+    clean = _solo_trainer(options, [True, True])
+    for _ in range(2):
+        clean.step()
+    _assert_same_state(failing_state, clean.state_dict())
+
+
+def _assert_same_state(got: dict, want: dict, path: str = "") -> None:
+    """Equal state dicts: tensors bit for bit, everything else by value."""
+    if isinstance(want, dict):
+        assert sorted(got) == sorted(want), path
+        for key in want:
+            _assert_same_state(got[key], want[key], f"{path}.{key}")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), path
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            _assert_same_state(g, w, f"{path}[{i}]")
+    elif isinstance(want, torch.Tensor):
+        assert torch.equal(got, want), f"{path} differs"
+    else:
+        assert got == want, path
+
+
+# ----------------------------------------------------------------- real replica groups
+def _lighthouse(**kwargs):
+    from torchft.coordination import LighthouseServer
+
+    return LighthouseServer(bind="[::]:0", **kwargs)
+
+
+def test_two_replica_groups_equal_one_world_of_dp2(tmp_path) -> None:
+    """dp_replicate=2 × dp=1 (two processes, each its own world, averaging through torchft)
+    gives the losses, gradients and weights of dp=2 in one world, step by step, with both
+    groups in every step (the Lighthouse waits for two)."""
+    lighthouse = _lighthouse(min_replicas=2, join_timeout_ms=100)
+    ctx = mp.get_context("spawn")
+    events = Events(ctx.Queue())
+    options = tiny_options(str(tmp_path / "r2"), parallel={"dp": 1, "dp_replicate": 2},
+                           train={"global_batch": 4})
+    groups = [start_group(ctx, r, 1, events.queue, record_replica_steps, options,
+                          lighthouse.address(), STEPS) for r in range(2)]
+    try:
+        events.wait(lambda e: len(e.done) == 2, timeout_seconds=240, what="both groups")
+    finally:
+        for procs in groups:
+            stop(procs)
+        lighthouse.shutdown()
+    world = tiny_options(str(tmp_path / "dp2"), parallel={"dp": 2}, train={"global_batch": 4})
+    want = run_gloo_ranks(2, rank_record_steps, [world], STEPS, timeout_seconds=240)[0][0]
+    for r in range(2):
+        got = events.done[(r, 0)]
+        assert got["committed"] == [True] * STEPS
+        assert got["participating"] == [[0, 1]] * STEPS
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]),
+                                   atol=0, rtol=0)
+        for step in range(STEPS):
+            for name, grad in want["grads"][step].items():
+                torch.testing.assert_close(got["grads"][step][name], grad, atol=0, rtol=0,
+                                           msg=lambda m, n=name, s=step: f"{n} step {s}: {m}")
+        for name, weight in want["weights"].items():
+            torch.testing.assert_close(got["weights"][name], weight, atol=0, rtol=0)
+
+
+def test_a_dead_group_stops_no_other_and_its_replacement_heals_exactly(tmp_path) -> None:
+    """Two groups of one rank; group 1 dies (os._exit) inside a step both are in. Group 0's
+    step is not committed, then it commits alone (group 1's slices dropped, no step rolled
+    back, its loader at its step); a replacement group 1 heals from it at a step boundary,
+    both then commit together and end bit-identical (weights, AdamW state, loader, RNG,
+    step)."""
+    _dead_group_and_replacement(tmp_path, ranks=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fsdp", [False, True], ids=["replicated", "fsdp"])
+def test_a_dead_ring_group_stops_no_other_and_its_replacement_heals_exactly(tmp_path,
+                                                                             fsdp: bool
+                                                                             ) -> None:
+    """The same with groups of two ranks each (a ring of cp=2): every rank averages with
+    the same rank of the other group and heals from it; under FSDP each rank's shards
+    (weights and AdamW state) travel as its local tensors and end bit-identical."""
+    _dead_group_and_replacement(tmp_path, ranks=2, fsdp=fsdp)
+
+
+def _dead_group_and_replacement(tmp_path, *, ranks: int, fsdp: bool = False) -> None:
+    lighthouse = _lighthouse(min_replicas=1, join_timeout_ms=100, heartbeat_timeout_ms=2000)
+    ctx = mp.get_context("spawn")
+    events = Events(ctx.Queue())
+    stop_at = ctx.Value("i", 0)
+    options = tiny_options(str(tmp_path), train={"global_batch": 4, "steps": 100_000},
+                           parallel={"dp": 1, "cp": ranks, "dp_replicate": 2, "fsdp": fsdp})
+    address = lighthouse.address()
+    procs: list[mp.Process] = []
+    try:
+        procs += start_group(ctx, 0, ranks, events.queue, train_until_stopped, options,
+                             address, 0, stop_at, None, None)
+        procs += start_group(ctx, 1, ranks, events.queue, train_until_stopped, options,
+                             address, 0, stop_at, 2, None)
+        events.wait(lambda e: e.died, timeout_seconds=180, what="group 1 to die")
+        death = events.died[0]
+        events.wait(lambda e: sum(1 for s in e.of(0) if s["committed"]
+                                  and s["participating"] == [0]) >= 2,
+                    timeout_seconds=60, what="group 0 to commit alone")
+        stop([p for p in procs[ranks:]])  # the rest of the dead group, as its agent would
+        replaced_at = _now()
+        procs += start_group(ctx, 1, ranks, events.queue, train_until_stopped, options,
+                             address, 1, stop_at, None, 3)
+        events.wait(lambda e: len(e.done) == 2 * ranks, timeout_seconds=180,
+                    what="both groups to stop")
+    finally:
+        stop(procs)
+        lighthouse.shutdown()
+
+    for rank in range(ranks):
+        survivor = events.of(0, rank=rank)
+        steps = [s["step"] for s in survivor]
+        # never a step rolled back: each record is the previous step or the next one
+        assert all(b - a in (0, 1) for a, b in zip(steps, steps[1:], strict=False)), steps
+        assert all(s["loader_index"] == s["step"] for s in survivor)
+        after = [s for s in survivor if s["wall"] > death["wall"]]
+        assert after and not after[0]["committed"]  # the step the dead group was in
+        alone = [s for s in after if s["committed"] and s["participating"] == [0]]
+        assert alone and all(s["samples_dropped"] == 2 for s in alone)
+        healed = [s for s in events.of(1, rank=rank, incarnation=1) if s["healed"]]
+        assert len(healed) == 1 and healed[0]["committed"]
+        joint = [s for s in survivor if s["wall"] > healed[0]["wall"] - 1e-3
+                 and s["participating"] == [0, 1]]
+        assert len(joint) >= 3
+        final_0, final_1 = events.done[(0, rank)], events.done[(1, rank)]
+        assert final_0["step"] == final_1["step"] == stop_at.value
+        _assert_same_state(final_1["state"], final_0["state"])
+    first_alone = alone[0]
+    print(f"\nreplica death to the survivor's next commit: "
+          f"{first_alone['wall'] - death['wall']:.2f} s; replacement started to healed: "
+          f"{healed[0]['wall'] - replaced_at:.2f} s, heal {healed[0]['heal_seconds']:.2f} s")
+
+
+def _now() -> float:
+    import time
+
+    return time.time()
+
+
+def test_ringray_train_refuses_replica_groups_before_starting_anything() -> None:
+    """The Ray controller does not start replica groups yet: its job file is refused."""
+    from ringray.spec.load import parse_job_spec
+    from ringray.spec.schema import JobSpecError
+
+    spec = parse_job_spec({"parallel": {"dp": 1, "cp": 1, "dp_replicate": 2},
+                           "train": {"global_batch": 2}})
+    with pytest.raises(JobSpecError, match=r"^parallel.dp_replicate: 2 replica groups are not "
+                                           r"started by `ringray train` yet"):
+        spec.job_options()
+
+
+def test_steps_lines_from_before_replica_groups_still_load() -> None:
+    """A steps.jsonl line without the replica fields is a committed step of one group."""
+    from ringray.train.step_stats import StepStats
+
+    fields = {"step": 3, "loss": 2.5, "grad_norm": 1.0, "learning_rate": 1e-3,
+              "step_seconds": 0.5, "tokens": 128, "tokens_per_second": 256.0,
+              "attention_compute_seconds": [0.1], "exposed_comm_seconds": [0.0],
+              "overlap_ratio": 1.0, "load_imbalance": 1.0, "mfu": None,
+              "peak_memory_bytes": 1}
+    stats = StepStats(**fields)
+    assert (stats.committed, stats.quorum_size, stats.replicas_participating,
+            stats.samples_dropped, stats.healed, stats.heal_seconds) == (True, 1, [], 0,
+                                                                          False, 0.0)
