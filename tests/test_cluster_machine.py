@@ -584,3 +584,38 @@ def test_what_follows_a_checkpoint_is_the_states_own(tmp_path: Path) -> None:
     _running(h, after_steps=1)
     state = h.machine.step(Checkpointing(then=StopAfter()))
     assert isinstance(state, Stopped) and "checkpointed" in state.reason
+
+
+def test_a_restored_step_past_the_jobs_steps_fails_in_one_line(tmp_path: Path) -> None:
+    """Resuming a run whose checkpoint is past train.steps would report 'finished at step
+    40/30': the job fails at the start instead, naming the field and what would continue it."""
+    h = _harness(tmp_path, steps=3)
+    h.workers.saved.append(CheckpointRef(step=4, location="/ck/step_4", lineage="run-1"))
+    state = _until(h, Placing(), Failed)
+    assert state.error == ("train.steps: 3 is below the step of the checkpoint restored (4, "
+                           "/ck/step_4); set train.steps to 4 or more to continue it")
+    assert "step" not in h.workers.calls
+
+
+def test_held_events_are_written_only_once_the_run_directory_is_taken(tmp_path: Path) -> None:
+    """A controller refused its run directory (another live run holds it) must not write into
+    that run's events.jsonl; once it holds the directory, what it held is written."""
+    import os
+    import socket
+
+    from ringray.train.run_lock import LOCK_NAME, RunDirInUse
+
+    h = _harness(tmp_path)
+    h.record.hold_events()
+    h.record.event("metrics: http://x")
+    lock = h.run_dir / LOCK_NAME  # another live run's (this test's parent process)
+    lock.write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname(),
+                                "job": "other", "since_unix": 0}))
+    with pytest.raises(RunDirInUse):
+        h.record.open_run_dir()
+    lock.unlink()
+    assert not (h.run_dir / "events.jsonl").exists()
+    assert [e.message for e in h.record.status().events] == ["metrics: http://x"]
+    assert h.record.open_run_dir() is None
+    assert [e["message"] for e in h.logged()] == ["metrics: http://x"]
+    h.record.run_dir.close()

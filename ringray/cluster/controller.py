@@ -47,6 +47,7 @@ class JobController:
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self.record = JobRecord(job, Path(job.train.run_dir), metrics=JobMetrics(job.name))
+        self.record.hold_events()  # written once the run directory is this job's
         self.record.metrics_url = self._serve_metrics()
         self.workers = RayWorkerGroup(job, self.record,
                                       should_stop=self._stop_requested.is_set)
@@ -94,8 +95,8 @@ class JobController:
     # ----------------------------------------------------------------- the machine
     def _main(self) -> None:
         try:
-            note = self.record.run_dir.open()
-        except RunDirInUse as exc:
+            note = self.record.open_run_dir()
+        except RunDirInUse as exc:  # recorded in the status only: the directory is another's
             self.record.state(JobState.FAILED, error=str(exc))
             self.record.event(str(exc))
             return

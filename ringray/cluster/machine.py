@@ -253,6 +253,11 @@ class JobMachine:
             return self._fail(str(exc))
         for why in restored.refused:
             self.record.event(f"refused {why}; falling back to the previous checkpoint")
+        if restored.step > self.total_steps:
+            return self._fail(
+                f"train.steps: {self.total_steps} is below the step of the checkpoint restored "
+                f"({restored.step}, {restored.checkpoint.location}); set train.steps to "
+                f"{restored.step} or more to continue it")
         self.step_count = restored.step
         self.saved_step = restored.checkpoint.step if restored.checkpoint else None
         self.larger_since = None

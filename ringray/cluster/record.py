@@ -56,6 +56,7 @@ class JobRecord:
         self._last_checkpoint_step: int | None = None
         self._error: str | None = None
         self._events: list[Event] = []
+        self._held: list[dict] | None = None  # events not yet written (see hold_events)
         if metrics is not None:
             metrics.target(job.dp_max * job.cp)
             metrics.state(self._state.value)
@@ -71,8 +72,30 @@ class JobRecord:
         entry = {"time": stamp, "state": state, "message": message}
         if exc is not None:
             entry["traceback"] = "".join(traceback.format_exception(exc))
+        with self._lock:
+            if self._held is not None:
+                self._held.append(entry)
+                return
+        self._write_events([entry])
+
+    def _write_events(self, entries: list[dict]) -> None:
         with self._events_path.open("a") as f:
-            f.write(json.dumps(entry) + "\n")
+            f.writelines(json.dumps(entry) + "\n" for entry in entries)
+
+    def hold_events(self) -> None:
+        """Keep events in memory until :meth:`open_run_dir`: a job refused its run directory
+        (another live run holds it) must not write into that run's ``events.jsonl``."""
+        with self._lock:
+            self._held = []
+
+    def open_run_dir(self) -> str | None:
+        """Take the run directory (its lock; ``RunDirInUse`` if a live run holds it), then
+        write the events held so far. Returns the lock's note, if any."""
+        note = self.run_dir.open()
+        with self._lock:
+            held, self._held = self._held or [], None
+        self._write_events(held)
+        return note
 
     def state(self, state: JobState, *, error: str | None = None) -> None:
         with self._lock:
