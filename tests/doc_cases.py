@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from ring_cases import BF16_ERROR_FACTOR, F32_TOL, HEADS
 
-from ringray.attention import make_layout, ring_attention
+from ringray.attention import RingStats, RingTotals, make_layout, ring_attention
 
 BATCH = 2
 SEQ = 120  # a multiple of 2N for N = 1..5, so every layout fits every ring size
@@ -31,6 +31,13 @@ DOCUMENT_SETS = {
     "mixed": [1, 37, 2, 45, 1, 7, 27],  # a length-1 document; none a multiple of 2N
     "tiny": [1, 2, 3, 4, 5] * 8,  # many tiny documents
     "edge": [119, 1],  # a length-1 document last
+}
+# Mixes where most K/V transfers are skipped, for rings of 4 and 8 (256 tokens: 2N divides
+# it): many short documents (1 to 11 tokens, a rank holds 32 or 64), and a long tail, two
+# documents longer than a rank's share among short ones.
+SKIP_DOCUMENT_SETS = {
+    "short": [1, 5, 11, 3, 8, 2, 9, 4, 7, 1, 10, 6] * 3 + [1, 5, 11, 3, 8, 2, 9, 4, 7, 5],
+    "long-tail": [3, 1, 70, 4, 6, 2, 5, 1, 7, 2, 3, 90, 4, 1, 8, 2, 6, 3, 5, 33],
 }
 LAYOUTS = ("contiguous", "zigzag", "striped", "balanced", "random")
 # Triton's interpreter costs about 5 ms per program: its cases use fewer, smaller heads.
@@ -53,12 +60,17 @@ class DocCase:
         return f"{self.layout}-{self.documents}-{self.heads}-{self.dtype}-{mask}{suffix}"
 
 
+def documents_named(name: str) -> list[int]:
+    return DOCUMENT_SETS[name] if name in DOCUMENT_SETS else SKIP_DOCUMENT_SETS[name]
+
+
 def layout_for(name: str, world: int, documents: list[int]):
+    seq = sum(documents)
     if name == "random":
         g = torch.Generator().manual_seed(99 + world)
-        return make_layout(torch.randperm(SEQ, generator=g).view(world, -1).tolist(), world,
-                           SEQ)
-    return make_layout(name, world, SEQ, documents=documents)
+        return make_layout(torch.randperm(seq, generator=g).view(world, -1).tolist(), world,
+                           seq)
+    return make_layout(name, world, seq, documents=documents)
 
 
 def document_mask(documents: list[int], causal: bool) -> torch.Tensor:
@@ -69,12 +81,12 @@ def document_mask(documents: list[int], causal: bool) -> torch.Tensor:
                           for j in range(seq)] for i in range(seq)])
 
 
-def global_inputs(heads: str, seed_text: str, dtype: torch.dtype):
+def global_inputs(heads: str, seed_text: str, dtype: torch.dtype, seq: int = SEQ):
     """q, k, v, dout in ``dtype`` (rounded from float64 draws), the same on every rank."""
     q_heads, kv_heads, head_dim = HEADS[heads]
     g = torch.Generator().manual_seed(zlib.crc32(seed_text.encode()))
     shapes = ((q_heads,), (kv_heads,), (kv_heads,), (q_heads,))
-    return [torch.randn(BATCH, SEQ, h, head_dim, generator=g, dtype=torch.float64).to(dtype)
+    return [torch.randn(BATCH, seq, h, head_dim, generator=g, dtype=torch.float64).to(dtype)
             for (h,) in shapes]
 
 
@@ -99,11 +111,12 @@ def masked_attention(q, k, v, dout, mask, compute_dtype):
     return out.detach(), lse, q.grad, k.grad, v.grad
 
 
-def run_case(rank: int, world: int, case: DocCase) -> None:
+def run_case(rank: int, world: int, case: DocCase) -> RingTotals:
+    """Check one case on this rank (raising on a failed check); return its ring totals."""
     dtype = getattr(torch, case.dtype)
-    documents = DOCUMENT_SETS[case.documents]
+    documents = documents_named(case.documents)
     q_in, k_in, v_in, dout_in = global_inputs(case.heads, f"{case.heads}-{case.documents}",
-                                              dtype)
+                                              dtype, sum(documents))
     mask = document_mask(documents, case.causal)
     exact = masked_attention(q_in, k_in, v_in, dout_in, mask, torch.float64)
     sdpa = masked_attention(q_in, k_in, v_in, dout_in, mask, dtype) if dtype != torch.float32 \
@@ -111,8 +124,9 @@ def run_case(rank: int, world: int, case: DocCase) -> None:
 
     layout = layout_for(case.layout, world, documents)
     q, k, v = (layout.shard(t, rank).requires_grad_() for t in (q_in, k_in, v_in))
+    stats = RingStats()
     out, lse = ring_attention(q, k, v, layout=layout, causal=case.causal, return_lse=True,
-                              backend=case.backend, documents=documents)
+                              backend=case.backend, documents=documents, stats=stats)
     out.backward(layout.shard(dout_in, rank))
     got = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
     for i, name in ((0, "out"), (2, "dq"), (3, "dk"), (4, "dv")):
@@ -129,6 +143,7 @@ def run_case(rank: int, world: int, case: DocCase) -> None:
                                        msg=lambda m, n=name: f"{n}: {m}")
     torch.testing.assert_close(lse.double(), layout.shard(exact[1], rank, dim=2),
                                atol=F32_TOL, rtol=F32_TOL)
+    return stats.totals()
 
 
 def run_cases(rank: int, world: int, cases: list[dict]) -> dict[str, str | None]:
@@ -141,6 +156,24 @@ def run_cases(rank: int, world: int, cases: list[dict]) -> dict[str, str | None]
             outcome[case.id] = None
         except Exception:  # noqa: BLE001 - one case's failure must not hide the others
             outcome[case.id] = traceback.format_exc()
+    return outcome
+
+
+def run_skip_cases(rank: int, world: int, cases: list[dict]) -> dict[str, dict]:
+    """Like :func:`run_cases`, also reporting the messages this rank sent and skipped:
+    case id -> {"error": None or the traceback, "transfers", "skipped", "bytes_sent",
+    "bytes_skipped"}."""
+    outcome = {}
+    for fields in cases:
+        case = DocCase(**fields)
+        try:
+            totals = run_case(rank, world, case)
+            outcome[case.id] = {"error": None, "transfers": totals.transfers,
+                                "skipped": totals.transfers_skipped,
+                                "bytes_sent": totals.bytes_sent,
+                                "bytes_skipped": totals.bytes_skipped}
+        except Exception:  # noqa: BLE001 - one case's failure must not hide the others
+            outcome[case.id] = {"error": traceback.format_exc()}
     return outcome
 
 

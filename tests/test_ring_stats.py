@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import statistics
 import time
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -39,10 +40,16 @@ def record_steps(rank: int, world: int) -> dict:
         "finite": all(r.compute_seconds >= 0 and r.exposed_comm_seconds >= 0 for r in records),
         "forward": stats.totals("forward").steps,
         "plain_ok": plain.shape == q.shape,
+        "calls": [asdict(c) for c in stats.calls],
+        "skipped": stats.totals().transfers_skipped,
     }
 
 
 def test_stats_record_every_step_with_the_bytes_sent():
+    """Zigzag without documents: every rank reads every block. Forward: the own block, sent
+    to the two other ranks; backward: the block received last is kept from the forward, so
+    one K/V block goes out, then the two dK/dV sums go back to their owners. Against the
+    plain ring's four backward messages, one (the K/V block) is skipped."""
     world = 3
     result = run_gloo_ranks(world, record_steps, timeout_seconds=90)[0]
     assert result["phases"] == [("forward", s) for s in range(3)] + [
@@ -50,8 +57,15 @@ def test_stats_record_every_step_with_the_bytes_sent():
     ]
     kv_bytes = 2 * 1 * (48 // world) * 4 * 16 * 4  # K and V, float32
     dkv_bytes = kv_bytes  # float32 gradient partial sums
-    assert result["bytes"] == [kv_bytes, kv_bytes, 0, kv_bytes, kv_bytes + dkv_bytes, dkv_bytes]
+    assert result["bytes"] == [kv_bytes, kv_bytes, 0, kv_bytes, dkv_bytes, dkv_bytes]
     assert result["finite"] and result["forward"] == 3 and result["plain_ok"]
+    assert result["calls"] == [
+        {"phase": "forward", "transfers": 2, "transfers_skipped": 0,
+         "bytes_sent": 2 * kv_bytes, "bytes_skipped": 0},
+        {"phase": "backward", "transfers": 3, "transfers_skipped": 1,
+         "bytes_sent": kv_bytes + 2 * dkv_bytes, "bytes_skipped": kv_bytes},
+    ]
+    assert result["skipped"] == 1
 
 
 # ---------------------------------------------------------------- the split, by hand

@@ -131,7 +131,7 @@ def test_warmup_as_long_as_training() -> None:
 
 def report(
     *, loss_sum: float, compute: float, exposed: float, sent: float, seconds_per_byte: float,
-    peak_memory: float, a2a: float = 0.0, peer_wait: float = 0.0,
+    peak_memory: float, a2a: float = 0.0, peer_wait: float = 0.0, skipped: float = 0.0,
 ) -> list[float]:
     """One rank's row; ``exposed`` is the transfer not hidden, ``peer_wait`` comes on top."""
     row = {
@@ -144,6 +144,8 @@ def report(
         "peer_wait_seconds": peer_wait,
         "peak_memory_bytes": peak_memory,
         "a2a_seconds": a2a,
+        "ring_transfers_skipped": skipped,
+        "ring_bytes_skipped": skipped * 100,
     }
     assert tuple(row) == REPORT_FIELDS
     return list(row.values())
@@ -163,7 +165,7 @@ REPORTS = [
     report(loss_sum=30, compute=2.0, exposed=0.0, sent=2000, seconds_per_byte=5e-4,
            peak_memory=300, peer_wait=0.5),
     report(loss_sum=40, compute=2.0, exposed=0.3, sent=500, seconds_per_byte=1e-3,
-           peak_memory=200),
+           peak_memory=200, skipped=3),
 ]
 STEP = {
     "shape": MeshShape(dp=2, cp=2),
@@ -201,6 +203,8 @@ def test_summarize_step_hand_arithmetic() -> None:
     assert stats.overlap_ratio_per_ring == pytest.approx([0.5, 0.4], rel=1e-12)
     assert stats.load_imbalance_per_ring == pytest.approx([1.5, 1.0], rel=1e-12)
     assert stats.ring_bytes_sent == [1000, 1000, 2000, 500]
+    assert stats.ring_transfers_skipped == [0, 0, 0, 3]  # what the mask saved, per rank
+    assert stats.ring_bytes_skipped == [0, 0, 0, 300]
     assert stats.peak_memory_bytes_per_rank == [100, 400, 300, 200]
     # Ulysses all-to-all seconds are reported per rank, apart from the ring's exposed time.
     assert stats.a2a_seconds == [0.25, 0.0, 0.0, 0.0]

@@ -21,13 +21,20 @@ from ringray.attention.layouts import (
 )
 from ringray.attention.merge import merge
 from ringray.attention.ring import ring_attention
-from ringray.attention.stats import AllToAllRecord, RingStats, RingStepRecord, RingTotals
+from ringray.attention.stats import (
+    AllToAllRecord,
+    RingCallRecord,
+    RingStats,
+    RingStepRecord,
+    RingTotals,
+)
 from ringray.attention.ulysses import check_ulysses_heads, grid_groups
 
 __all__ = [
     "AllToAllRecord",
     "Documents",
     "Layout",
+    "RingCallRecord",
     "RingStats",
     "RingStepRecord",
     "RingTotals",

@@ -78,6 +78,23 @@ class RingComm:
             self._next = self._global_rank((self.rank + 1) % self.world_size)
             self._prev = self._global_rank((self.rank - 1) % self.world_size)
 
+    def post(
+        self,
+        send: Sequence[tuple[torch.Tensor, int, int]],
+        recv: Sequence[tuple[torch.Tensor, int, int]],
+    ) -> PendingExchange:
+        """Post point-to-point messages to any ranks of the ring: ``send`` and ``recv`` are
+        ``(tensor, ring rank, tag)``. Both sides give a message the same tag (one per kind
+        of message) and list their messages in the same order of tags, so two messages
+        between the same pair of ranks pair up by tag (gloo) and by order (NCCL)."""
+        ops = []
+        for tensor, peer, tag in send:
+            ops.append(dist.P2POp(dist.isend, tensor, self._global_rank(peer), self.group, tag))
+        for tensor, peer, tag in recv:
+            ops.append(dist.P2POp(dist.irecv, tensor, self._global_rank(peer), self.group, tag))
+        sent = sum(t.numel() * t.element_size() for t, _, _ in send)
+        return PendingExchange(dist.batch_isend_irecv(ops) if ops else [], sent)
+
     def _global_rank(self, group_rank: int) -> int:
         if self.group is None:
             return group_rank
@@ -109,12 +126,13 @@ class RingComm:
 
 
 def ring_transfer_seconds(comm: RingComm, k_local: torch.Tensor) -> tuple[float, int]:
-    """Seconds and bytes of one ring call's exchanges (forward and backward) with no compute
-    in between, for this rank's K block ``k_local`` ``(batch, local_seq, kv_heads,
-    head_dim)``. Collective over ``comm``'s ring; the baseline an overlap ratio is taken
-    against, so it is timed as exposed ring waits are (:func:`~.stats.interval_timer`): the
-    wall clock on CPU, CUDA events on the current stream around the post and the wait on
-    CUDA (read once, at the end)."""
+    """Seconds and bytes of a plain ring call's exchanges (forward and backward, every block
+    relayed round the ring) with no compute in between, for this rank's K block
+    ``k_local`` ``(batch, local_seq, kv_heads, head_dim)``: a transfer rate (seconds per
+    byte) that holds whatever a call's mask lets it skip. Collective over ``comm``'s ring;
+    the baseline an overlap ratio is taken against, so it is timed as exposed ring waits are
+    (:func:`~.stats.interval_timer`): the wall clock on CPU, CUDA events on the current
+    stream around the post and the wait on CUDA (read once, at the end)."""
     world = comm.world_size
     if world == 1:
         return 0.0, 0

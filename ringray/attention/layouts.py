@@ -390,15 +390,22 @@ def document_work(
 
 
 def block_work(
-    layout: Layout, documents: Documents | Sequence[int] | None = None, *, causal: bool = True
+    layout: Layout, documents: Documents | Sequence[int] | None = None, *, causal: bool = True,
+    window: int | None = None,
 ) -> list[list[int]]:
     """Visible query-key pairs per block pair: ``[r][s]`` is what rank ``r`` computes at the
-    ring step that holds rank ``s``'s keys (row sums: :func:`document_work`).
+    ring step that holds rank ``s``'s keys (row sums: :func:`document_work` without a
+    window). With ``window`` (causal), a query sees only keys at most ``window - 1``
+    positions before it. A zero is a block pair nobody computes, and a K/V block nobody
+    needs to send (:mod:`.transfers`).
 
     A ring step waits for its slowest rank, so ``sum over steps t of max over ranks r of
     [r][(r - t) mod N]``, against the mean row sum, is the layout's theoretical imbalance
     *per step* (:func:`step_imbalance`); a layout can be balanced in total and not per step.
     """
+    if window is not None and not causal:
+        raise ValueError(f"window: {window} needs causal=True (a window bounds how far back "
+                         f"a query looks)")
     docs = check_documents(documents, layout.seq_len) or Documents((layout.seq_len,))
     first = torch.tensor(docs.bounds[:-1])[docs.ids]  # each position's document start
     last = torch.tensor(docs.bounds[1:])[docs.ids] - 1
@@ -406,6 +413,8 @@ def block_work(
     for r in range(layout.world_size):
         q_pos = layout.positions(r)
         lo, hi = first[q_pos], q_pos if causal else last[q_pos]  # visible keys: lo..hi
+        if window is not None:
+            lo = torch.maximum(lo, q_pos - (window - 1))
         row = []
         for s in range(layout.world_size):
             keys = layout.positions(s).sort().values

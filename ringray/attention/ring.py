@@ -17,9 +17,14 @@ Ulysses × ring: ``ulysses_group=`` adds an inner head all-to-all (one node) aro
 the layout covers the whole grid (``make_layout(kind, R * U, S, ulysses=U)``). See
 :mod:`ringray.attention.ulysses`.
 
-Forward: at step t this rank holds the K/V block that started on rank (r - t) mod N. The
-next block's send/receive is posted before the step's compute and waited for after it, so
-the transfer hides behind the compute. Each step's pieces (see
+Communication: each K/V block goes only to the ranks whose queries see one of its keys,
+straight from its owner, in rounds in which every rank sends and receives at most one block
+(:mod:`ringray.attention.transfers`; with every block read, round t is ring distance t). A
+step posts one round's messages before its compute and waits for them after it, so the
+transfer hides behind the compute; rounds in which a rank neither sends nor receives are not
+steps at all on that rank.
+
+Forward: the own block first, then each received block. Each step's pieces (see
 :mod:`ringray.attention.steps`) go to the local kernel and merge into float32 (out, LSE)
 accumulators with the online-softmax rule. A backend with the fused ring-step capability
 (:class:`~ringray.attention.backends.FusedStepBackend`, e.g. ``triton``) instead gets the
@@ -27,12 +32,13 @@ whole block pair with its global positions, once per step, and merges inside its
 its backward gets ``delta = rowsum(dO * O)``, computed once per call, and adds into the
 float32 gradient accumulators.
 
-Backward: the forward ends holding block r + 1, and the backward starts there, rotating K/V
-the *other* way (receive from r + 1, send to r - 1): at step t it holds block (r + 1 + t)
-mod N, so the last step is this rank's own block. Each block's float32 dK/dV partial sum
-travels with it and, after N steps, is complete on its owner, so there is no final
-"return the gradients" hop left exposed after the last compute. The price is keeping the
-forward's last K/V block alive until the backward (one block at the kv-head count).
+Backward: the rounds in reverse. It starts with the block the forward received last (kept
+from the forward: not sent again) and ends with the own block, so the float32 dK/dV partial
+sum of the last block read travels back to its owner while the own block is computed; each
+owner adds the sums its readers send back into its own dK/dV. The price is keeping the own
+block and the forward's last received block alive until the backward (two blocks at the
+kv-head count). A :class:`~ringray.attention.stats.RingStats` records the bytes sent per
+step and, per call, the messages sent and skipped against the plain ring.
 """
 
 from __future__ import annotations
@@ -49,8 +55,9 @@ from ringray.attention.comm import PendingExchange, RingComm
 from ringray.attention.documents import Documents
 from ringray.attention.layouts import Layout
 from ringray.attention.merge import merge_into
-from ringray.attention.stats import NULL_TIMER, RingStats, StepTimer
+from ringray.attention.stats import NULL_TIMER, RingCallRecord, RingStats, StepTimer
 from ringray.attention.steps import Piece, PieceKind, RankPlan, plan_rank
+from ringray.attention.transfers import TransferPlan, plan_transfers
 from ringray.attention.ulysses import (
     UlyssesComm,
     check_grid,
@@ -142,6 +149,11 @@ def _plan(layout: Layout, rank: int, causal: bool, documents: Documents | None) 
     return plan_rank(layout, rank, causal, documents)
 
 
+@lru_cache(maxsize=64)
+def _transfers(layout: Layout, causal: bool, documents: Documents | None) -> TransferPlan:
+    return plan_transfers(layout, causal, documents)
+
+
 def _kernel_args(piece: Piece, layout: Layout, q_rank: int, k_rank: int,
                  documents: Documents | None, causal: bool) -> dict:
     mask = {}
@@ -189,8 +201,8 @@ def _finish_step(
 
 @dataclass(frozen=True, kw_only=True)
 class RingCall:
-    """What the backward of a ring-attention call needs from its forward besides the saved
-    tensors: the ring, the mask and the kernel that ran it."""
+    """One ring-attention call's fixed parts, shared by its forward and backward: the ring,
+    the mask, the kernel, and the plans of what this rank computes and sends."""
 
     comm: RingComm
     layout: Layout
@@ -202,6 +214,51 @@ class RingCall:
     positions: tuple[torch.Tensor, ...] | None  # per rank, on the device (fused kernels)
     doc_ids: tuple[torch.Tensor | None, ...] | None
     documents: Documents | None
+    plan: RankPlan
+    transfers: TransferPlan
+
+    @property
+    def fused(self) -> FusedStepBackend | None:
+        return self.kernel if isinstance(self.kernel, FusedStepBackend) else None
+
+
+# Message tags: one per kind, so a K/V block and a dK/dV sum between the same two ranks in
+# one round cannot be confused (RingComm.post lists them in this order on both sides).
+_KV_TAG, _DKV_TAG = 0, 1
+
+
+class _Buffers:
+    """Reusable tensors shaped like ``template``: at most as many exist as are in use at
+    once (two K/V receive buffers, two dK/dV sums), made on first need."""
+
+    def __init__(self, template: torch.Tensor, dtype: torch.dtype) -> None:
+        self._template, self._dtype = template, dtype
+        self._free: list[torch.Tensor] = []
+
+    def take(self) -> torch.Tensor:
+        return self._free.pop() if self._free else torch.empty(
+            self._template.shape, dtype=self._dtype, device=self._template.device)
+
+    def give(self, tensor: torch.Tensor) -> None:
+        self._free.append(tensor)
+
+
+def _record_call(call: RingCall, phase: str, kv_bytes: int, dkv_bytes: int,
+                 sent_bytes: int) -> None:
+    """One :class:`RingCallRecord` for this rank's phase: what it sent and what the plain
+    ring would have sent on top."""
+    if call.stats is None:
+        return
+    counts = call.transfers.counts(call.comm.rank)
+    if phase == "forward":
+        sent, skipped = counts.forward_kv, counts.forward_skipped
+        ring_bytes = counts.ring_forward * kv_bytes
+    else:
+        sent, skipped = counts.backward_kv + counts.backward_dkv, counts.backward_skipped
+        ring_bytes = counts.ring_forward * (kv_bytes + dkv_bytes)
+    call.stats.add_call(RingCallRecord(phase=phase, transfers=sent, transfers_skipped=skipped,
+                                       bytes_sent=sent_bytes,
+                                       bytes_skipped=ring_bytes - sent_bytes))
 
 
 class _RingAttention(torch.autograd.Function):
@@ -209,108 +266,161 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, comm: RingComm, layout: Layout, causal: bool, scale: float,
                 kernel: BlockAttentionBackend, stats: RingStats | None,
                 documents: Documents | None):
-        rank, world = comm.rank, comm.world_size
-        plan = _plan(layout, rank, causal, documents)
+        rank = comm.rank
+        fused = isinstance(kernel, FusedStepBackend)
+        positions, doc_ids = (_device_tokens(layout, documents, q.device) if fused
+                              else (None, None))
+        call = RingCall(comm=comm, layout=layout, causal=causal, scale=scale, kernel=kernel,
+                        stats=stats, kv_dtype=k.dtype, positions=positions, doc_ids=doc_ids,
+                        documents=documents, plan=_plan(layout, rank, causal, documents),
+                        transfers=_transfers(layout, causal, documents))
         acc = accumulation_dtype(q.dtype)
         batch, seq, q_heads, head_dim = q.shape
         q_t = q.transpose(1, 2)
-        # K and V travel together as one contiguous (2, B, kv_heads, S, D) buffer.
-        kv_block = torch.stack((k.transpose(1, 2), v.transpose(1, 2)))
-        kv_incoming = torch.empty_like(kv_block) if world > 1 else None
+        # K and V travel together as one contiguous (2, B, kv_heads, S, D) buffer; the own
+        # block is sent to every reader and kept for the backward.
+        kv_own = torch.stack((k.transpose(1, 2), v.transpose(1, 2)))
+        kv_buffers = _Buffers(kv_own, kv_own.dtype)
+        held = {rank: kv_own}  # K/V blocks on hand, by the rank they started on
         out = torch.zeros(batch, q_heads, seq, head_dim, dtype=acc, device=q.device)
         lse = torch.full((batch, q_heads, seq), float("-inf"), dtype=acc, device=q.device)
         touched = torch.zeros(seq, dtype=torch.bool)  # rows that hold a partial result yet
-        fused = kernel if isinstance(kernel, FusedStepBackend) else None
-        positions, doc_ids = (_device_tokens(layout, documents, q.device) if fused is not None
-                              else (None, None))
+        sent_bytes, last = 0, None
 
-        for step in range(world):
-            source = (rank - step) % world
+        for index, step in enumerate(call.transfers.forward_steps(rank)):
             timer = _timer(stats, q.device)
-            pending = comm.exchange([kv_block], [kv_incoming]) if step < world - 1 else None
+            pending, incoming = None, None
+            if step.exchange is not None:
+                exchange = step.exchange
+                send = [(kv_own, exchange.kv_to, _KV_TAG)] if exchange.kv_to is not None else []
+                if exchange.kv_from is not None:
+                    incoming = kv_buffers.take()
+                recv = [(incoming, exchange.kv_from, _KV_TAG)] if incoming is not None else []
+                pending = comm.post(send, recv)
             timer.start_compute()
-            if fused is not None:
-                if plan.pieces[source]:  # the plan knows when no query sees any key
-                    fused.forward_into(
-                        q_t, kv_block[0], kv_block[1], out, lse, causal=causal, scale=scale,
-                        q_pos=positions[rank], k_pos=positions[source],
-                        q_doc=doc_ids[rank], k_doc=doc_ids[source],
-                        key=BlockPairKey(layout, rank, source, documents),
-                    )
-            else:
-                _forward_pieces(kernel, plan.pieces[source], q_t, kv_block, out, lse, touched,
-                                scale, layout, rank, source, documents, causal)
-            _finish_step(stats, "forward", step, timer, pending)
+            if step.block is not None:
+                kv_block = held.pop(step.block) if step.block != rank else kv_own
+                _forward_block(call, step.block, q_t, kv_block, out, lse, touched)
+                if step.block != rank:
+                    last = (step.block, kv_block)
+                    kv_buffers.give(kv_block)  # the forward receives nothing after its last
+            _finish_step(stats, "forward", index, timer, pending)
             if pending is not None:
-                kv_block, kv_incoming = kv_incoming, kv_block
+                sent_bytes += pending.bytes_sent
+            if incoming is not None:
+                held[step.exchange.kv_from] = incoming
 
         result = out.to(q.dtype).transpose(1, 2).contiguous()
-        ctx.save_for_backward(q, result, lse, kv_block)
-        ctx.call = RingCall(comm=comm, layout=layout, causal=causal, scale=scale, kernel=kernel,
-                            stats=stats, kv_dtype=k.dtype, positions=positions,
-                            doc_ids=doc_ids, documents=documents)
+        last_source, kv_last = last if last is not None else (None, None)
+        ctx.save_for_backward(q, result, lse, kv_own, kv_last)
+        ctx.call, ctx.last_source = call, last_source
         ctx.mark_non_differentiable(lse)
+        kv_bytes = kv_own.numel() * kv_own.element_size()
+        _record_call(call, "forward", kv_bytes, 0, sent_bytes)
         return result, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, out, lse, kv_block = ctx.saved_tensors
+        q, out, lse, kv_own, kv_last = ctx.saved_tensors
         call: RingCall = ctx.call
-        comm, layout, causal, scale = call.comm, call.layout, call.causal, call.scale
-        kernel, stats, kv_dtype, documents = call.kernel, call.stats, call.kv_dtype, call.documents
-        positions, doc_ids = call.positions, call.doc_ids
-        rank, world = comm.rank, comm.world_size
-        plan = _plan(layout, rank, causal, documents)
+        comm, stats, rank = call.comm, call.stats, call.comm.rank
         acc = accumulation_dtype(q.dtype)
         q_t, out_t, dout_t = q.transpose(1, 2), out.transpose(1, 2), dout.transpose(1, 2)
         dq = torch.zeros(q_t.shape, dtype=acc, device=q.device)
-        grad_shape = (2, *kv_block.shape[1:])
-        # Zeroed at the start of each step; the two swap so one is sent while the other fills.
-        dkv_partial = torch.empty(grad_shape, dtype=acc, device=q.device)  # block being done
-        dkv_done = torch.empty_like(dkv_partial) if world > 1 else None  # previous block's
-        dkv_incoming = torch.empty_like(dkv_partial) if world > 1 else None
-        kv_spare = [torch.empty_like(kv_block), torch.empty_like(kv_block)] if world > 1 else []
-        fused = kernel if isinstance(kernel, FusedStepBackend) else None
-        delta = softmax_delta(dout_t, out_t) if fused is not None else None  # once per call
+        # The own block's dK/dV: its own step adds into it, and every reader's sum comes back.
+        dkv_own = torch.zeros(kv_own.shape, dtype=acc, device=q.device)
+        dkv_incoming = None
+        kv_buffers, dkv_buffers = _Buffers(kv_own, kv_own.dtype), _Buffers(kv_own, acc)
+        held = {ctx.last_source: kv_last} if ctx.last_source is not None else {}
+        done: dict[int, torch.Tensor] = {}  # dK/dV sums computed, not yet sent back
+        delta = softmax_delta(dout_t, out_t) if call.fused is not None else None  # once per call
+        sent_bytes = 0
 
-        for step in range(world):
-            block = (rank + 1 + step) % world
+        for index, step in enumerate(call.transfers.backward_steps(rank)):
             timer = _timer(stats, q.device)
-            send, recv = [], []
-            if step < world - 1:
-                kv_next = kv_spare[step % 2]
-                send.append(kv_block)
-                recv.append(kv_next)
-            if step > 0:  # hand the previous block's partial sum to the rank that needs it next
-                send.append(dkv_done)
-                recv.append(dkv_incoming)
-            pending = comm.exchange(send, recv, reverse=True) if send else None
+            pending, incoming, returning = None, None, None
+            if step.exchange is not None:
+                exchange = step.exchange
+                send, recv = [], []
+                if exchange.kv_to is not None:
+                    send.append((kv_own, exchange.kv_to, _KV_TAG))
+                if exchange.dkv_to is not None:
+                    returning = done.pop(exchange.dkv_to)
+                    send.append((returning, exchange.dkv_to, _DKV_TAG))
+                if exchange.kv_from is not None:
+                    incoming = kv_buffers.take()
+                    recv.append((incoming, exchange.kv_from, _KV_TAG))
+                if exchange.dkv_from is not None:
+                    if dkv_incoming is None:
+                        dkv_incoming = dkv_buffers.take()
+                    recv.append((dkv_incoming, exchange.dkv_from, _DKV_TAG))
+                pending = comm.post(send, recv)
             timer.start_compute()
-            dkv_partial.zero_()
-            if fused is not None:
-                if plan.pieces[block]:
-                    fused.backward_into(
-                        dout_t, q_t, kv_block[0], kv_block[1], lse, delta,
-                        dq, dkv_partial[0], dkv_partial[1], causal=causal, scale=scale,
-                        q_pos=positions[rank], k_pos=positions[block],
-                        q_doc=doc_ids[rank], k_doc=doc_ids[block],
-                        key=BlockPairKey(layout, rank, block, documents),
-                    )
-            else:
-                _backward_pieces(kernel, plan.pieces[block], dout_t, q_t, kv_block, out_t, lse,
-                                 dq, dkv_partial, scale, layout, rank, block, documents, causal)
-            _finish_step(stats, "backward", step, timer, pending)
-            if step > 0:
-                dkv_partial += dkv_incoming
-            if step < world - 1:
-                kv_block = kv_next
-            dkv_partial, dkv_done = (dkv_done, dkv_partial) if world > 1 else (dkv_partial, None)
+            if step.block == rank:  # the own block, last: its sum is dK/dV's accumulator
+                _backward_block(call, rank, dout_t, q_t, kv_own, out_t, lse, delta, dq,
+                                dkv_own)
+            elif step.block is not None:
+                kv_block = held.pop(step.block)
+                partial = dkv_buffers.take().zero_()
+                _backward_block(call, step.block, dout_t, q_t, kv_block, out_t, lse, delta,
+                                dq, partial)
+                done[step.block] = partial
+                if kv_block is not kv_last:  # a saved tensor stays as saved (retain_graph)
+                    kv_buffers.give(kv_block)
+            _finish_step(stats, "backward", index, timer, pending)
+            if pending is not None:
+                sent_bytes += pending.bytes_sent
+            if incoming is not None:
+                held[step.exchange.kv_from] = incoming
+            if returning is not None:
+                dkv_buffers.give(returning)
+            if step.exchange is not None and step.exchange.dkv_from is not None:
+                dkv_own += dkv_incoming
 
-        own = dkv_done if world > 1 else dkv_partial
-        dk = own[0].transpose(1, 2).to(kv_dtype)
-        dv = own[1].transpose(1, 2).to(kv_dtype)
+        dk = dkv_own[0].transpose(1, 2).to(call.kv_dtype)
+        dv = dkv_own[1].transpose(1, 2).to(call.kv_dtype)
+        kv_bytes = kv_own.numel() * kv_own.element_size()
+        _record_call(call, "backward", kv_bytes, dkv_own.numel() * dkv_own.element_size(),
+                     sent_bytes)
         return (dq.transpose(1, 2).to(q.dtype), dk, dv,
                 None, None, None, None, None, None, None)
+
+
+def _forward_block(call: RingCall, source: int, q_t: torch.Tensor, kv_block: torch.Tensor,
+                   out: torch.Tensor, lse: torch.Tensor, touched: torch.Tensor) -> None:
+    """Attend this rank's queries to the K/V block that started on ``source`` and merge the
+    result into ``(out, lse)``: one fused call, or a kernel call per planned piece."""
+    rank, layout, documents = call.comm.rank, call.layout, call.documents
+    if call.fused is not None:
+        call.fused.forward_into(
+            q_t, kv_block[0], kv_block[1], out, lse, causal=call.causal, scale=call.scale,
+            q_pos=call.positions[rank], k_pos=call.positions[source],
+            q_doc=call.doc_ids[rank], k_doc=call.doc_ids[source],
+            key=BlockPairKey(layout, rank, source, documents),
+        )
+    else:
+        _forward_pieces(call.kernel, call.plan.pieces[source], q_t, kv_block, out, lse,
+                        touched, call.scale, layout, rank, source, documents, call.causal)
+
+
+def _backward_block(call: RingCall, source: int, dout_t: torch.Tensor, q_t: torch.Tensor,
+                    kv_block: torch.Tensor, out_t: torch.Tensor, lse: torch.Tensor,
+                    delta: torch.Tensor | None, dq: torch.Tensor, dkv: torch.Tensor) -> None:
+    """Add the gradients of this rank's queries against ``source``'s K/V block to ``dq``
+    and to ``dkv`` (that block's dK/dV)."""
+    rank, layout, documents = call.comm.rank, call.layout, call.documents
+    if call.fused is not None:
+        call.fused.backward_into(
+            dout_t, q_t, kv_block[0], kv_block[1], lse, delta, dq, dkv[0], dkv[1],
+            causal=call.causal, scale=call.scale,
+            q_pos=call.positions[rank], k_pos=call.positions[source],
+            q_doc=call.doc_ids[rank], k_doc=call.doc_ids[source],
+            key=BlockPairKey(layout, rank, source, documents),
+        )
+    else:
+        _backward_pieces(call.kernel, call.plan.pieces[source], dout_t, q_t, kv_block, out_t,
+                         lse, dq, dkv, call.scale, layout, rank, source, documents,
+                         call.causal)
 
 
 def _forward_pieces(

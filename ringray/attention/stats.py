@@ -57,6 +57,13 @@ wall clock on CPU and between two CUDA events on the compute stream on CUDA; its
 :meth:`RingStats.totals` sums them as ``a2a_seconds`` / ``a2a_bytes_sent`` beside the ring's
 figures, which keep their meaning (``bytes_sent`` is the ring's alone).
 
+What the mask saved. A ring call sends each K/V block only to the ranks that read it
+(:mod:`~ringray.attention.transfers`); each call adds one :class:`RingCallRecord` per phase
+with the messages this rank sent and the ones it skipped against the plain ring (which sends
+N - 1 K/V blocks forward, N - 1 K/V blocks and N - 1 dK/dV sums backward, per rank), in
+messages and in bytes. :meth:`RingStats.totals` sums them (``transfers``,
+``transfers_skipped``, ``bytes_skipped``).
+
 CUDA events are only read when the records are asked for, so recording adds no host sync to
 the training loop.
 """
@@ -82,6 +89,17 @@ class RingStepRecord:
 
 
 @dataclass(frozen=True)
+class RingCallRecord:
+    """One ring call's messages from this rank, in one phase, against the plain ring."""
+
+    phase: str  # "forward" or "backward"
+    transfers: int  # K/V blocks and dK/dV sums sent
+    transfers_skipped: int  # the plain ring's messages that were not sent
+    bytes_sent: int
+    bytes_skipped: int  # the plain ring's bytes that were not sent
+
+
+@dataclass(frozen=True)
 class AllToAllRecord:
     phase: str  # "forward" or "backward"
     name: str  # what moved: "qkv", "out", "lse" (forward); "dout", "dqkv" (backward)
@@ -102,6 +120,10 @@ class RingTotals:
     transfer_seconds: float = 0.0  # the steps' exchanges alone: bytes × seconds per byte
     transfer_exposed_seconds: float = 0.0  # transfer not hidden, each step's ≤ its transfer
     peer_wait_seconds: float = 0.0  # waiting for a late peer
+    # Messages sent, and those the plain ring would have sent and the mask made needless.
+    transfers: int = 0
+    transfers_skipped: int = 0
+    bytes_skipped: int = 0
 
 
 class StepTimer:
@@ -204,6 +226,7 @@ class RingStats:
         self._records: list[RingStepRecord] = []
         self._pending_a2a: list[tuple[str, str, IntervalTimer, int]] = []
         self._a2a_records: list[AllToAllRecord] = []
+        self.calls: list[RingCallRecord] = []  # one per ring call and phase
 
     def timer(self, device: torch.device) -> StepTimer:
         """A fresh timer for one step on ``device`` (used by the ring)."""
@@ -211,6 +234,9 @@ class RingStats:
 
     def add(self, phase: str, step: int, timer: StepTimer, bytes_sent: int) -> None:
         self._pending.append((phase, step, timer, bytes_sent))
+
+    def add_call(self, record: RingCallRecord) -> None:
+        self.calls.append(record)
 
     def a2a_timer(self, device: torch.device) -> IntervalTimer:
         """A fresh timer for one all-to-all on ``device`` (used by the Ulysses path)."""
@@ -246,6 +272,7 @@ class RingStats:
         (all exposed time is counted as transfer not hidden, ``transfer_seconds`` is 0)."""
         rows = [r for r in self.records if phase is None or r.phase == phase]
         a2a = [r for r in self.a2a_records if phase is None or r.phase == phase]
+        calls = [c for c in self.calls if phase is None or c.phase == phase]
         transfer = not_hidden = peer_wait = 0.0
         for r in rows:
             if transfer_seconds_per_byte is None:
@@ -268,6 +295,9 @@ class RingStats:
             transfer_seconds=transfer,
             transfer_exposed_seconds=not_hidden,
             peer_wait_seconds=peer_wait,
+            transfers=sum(c.transfers for c in calls),
+            transfers_skipped=sum(c.transfers_skipped for c in calls),
+            bytes_skipped=sum(c.bytes_skipped for c in calls),
         )
 
     def clear(self) -> None:
@@ -275,6 +305,7 @@ class RingStats:
         self._records.clear()
         self._pending_a2a.clear()
         self._a2a_records.clear()
+        self.calls.clear()
 
 
 def split_exposed(exposed_seconds: float, window_seconds: float,

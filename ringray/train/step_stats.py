@@ -2,10 +2,10 @@
 
 Every rank reports a few numbers (its loss sum, attention compute and exposed-communication
 seconds, split into transfer not hidden and waiting for a late peer, bytes sent round the
-ring and what those exchanges take alone, peak memory, and with Ulysses its all-to-alls'
-seconds) in one small all-gather; :func:`summarize_step` turns the
-gathered table into a :class:`StepStats`. It is pure, so the arithmetic is unit-tested without
-processes.
+ring and what those exchanges take alone, the messages and bytes the mask let it skip, peak
+memory, and with Ulysses its all-to-alls' seconds) in one small all-gather;
+:func:`summarize_step` turns the gathered table into a :class:`StepStats`. It is pure, so the
+arithmetic is unit-tested without processes.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ REPORT_FIELDS = (
     "peer_wait_seconds",
     "peak_memory_bytes",
     "a2a_seconds",
+    "ring_transfers_skipped",
+    "ring_bytes_skipped",
 )
 
 
@@ -62,6 +64,10 @@ class StepStats:
     peer_wait_seconds: list[float] = field(default_factory=list)
     peer_wait_seconds_max: float = 0.0  # the rank that waited longest for a peer
     ring_transfer_seconds: list[float] = field(default_factory=list)  # the exchanges alone
+    # What the mask saved, per rank: the plain ring's messages (K/V blocks and dK/dV sums)
+    # and bytes that the transfer plan did not send (ringray.attention.transfers).
+    ring_transfers_skipped: list[int] = field(default_factory=list)
+    ring_bytes_skipped: list[int] = field(default_factory=list)
     # Replica groups (parallel.dp_replicate, ringray.train.replicas); the defaults describe a
     # job without them, so steps.jsonl lines from before these fields still load.
     committed: bool = True  # False: a replica failed during the step; it was not taken, and
@@ -136,4 +142,6 @@ def summarize_step(
         peer_wait_seconds=peer_wait,
         peer_wait_seconds_max=max(peer_wait),
         ring_transfer_seconds=transfer,
+        ring_transfers_skipped=[int(r["ring_transfers_skipped"]) for r in rows],
+        ring_bytes_skipped=[int(r["ring_bytes_skipped"]) for r in rows],
     )

@@ -417,6 +417,8 @@ class Trainer:
             "transfer_exposed_seconds": totals.transfer_exposed_seconds,
             "peer_wait_seconds": totals.peer_wait_seconds,
             "peak_memory_bytes": float(_peak_memory_bytes(self.device)),
+            "ring_transfers_skipped": float(totals.transfers_skipped),
+            "ring_bytes_skipped": float(totals.bytes_skipped),
         }
         reports = self._gather_reports([report[name] for name in REPORT_FIELDS])
         stats = summarize_step(

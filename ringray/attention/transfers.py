@@ -1,0 +1,223 @@
+"""Which K/V blocks travel where in a ring call: each block goes only to the ranks that read it.
+
+    plan = plan_transfers(layout, causal=True, documents=docs)
+    plan.reads[r][s]         # rank r's queries see some key of rank s's block
+    plan.rounds              # per round, (source, reader) pairs: the block source -> reader
+    plan.forward_steps(r)    # what rank r posts, computes and waits for, step by step
+    plan.backward_steps(r)
+
+The rule. From the layout and the mask (causal, packed documents, a sliding window) every
+rank knows, before anything moves, which (query block, key block) pairs hold a visible pair
+(:func:`~.layouts.block_work` > 0). A block is sent to exactly the ranks whose queries see
+one of its keys, *directly* from its owner (point to point, not relayed round a ring), and
+the dK/dV partial sum a reader computes for it goes straight back to the owner. Nothing is
+sent that nobody reads; with one document over the whole sequence and causal zigzag every
+rank reads every block, and the plan is the plain ring's N - 1 blocks per rank, each sent
+from its owner at ring distance 1, 2, ... (round t: rank r receives rank r - t's block).
+
+Rounds. The (source, reader) pairs are grouped into rounds in which every rank sends at most
+one block and receives at most one (a matching: :func:`transfer_rounds`), so a rank needs
+two receive buffers whatever the pattern (one computed on, one filling), and in the backward
+one buffer for an incoming dK/dV sum. Each round is filled greedily by augmenting paths,
+readers with the most blocks still to come first and nearer ring distances preferred, so a
+rank's receives come in its first rounds, one after another, and each transfer hides behind
+the previous block's compute.
+
+Steps. A rank posts one round's messages, computes the block it received in its previous
+round (or its own block first), and waits; rounds in which it neither sends nor receives are
+skipped, so a rank that reads little does little. Every rank posts its rounds in the same
+(ascending) order and each round's sends and receives pair up within the round, so no rank
+waits on a message that its peer posts only later: no deadlock, on gloo or NCCL.
+
+The backward runs the rounds in reverse: it starts with the block the forward received last
+(kept alive from the forward, so not sent again) and ends with the rank's own block, so the
+last dK/dV sum sent back to an owner travels while the own block is computed. The exchange
+of backward round u carries the K/V blocks of forward round u - 1 (needed next) and the dK/dV
+sums of round u + 1 (just computed). Compared with the plain ring (which relays blocks
+through every rank), a rank keeps its own K/V block alive through the backward (one block at
+the kv-head count), and in exchange never receives its own block back: with every block
+read, the forward sends N - 1 blocks, the backward N - 2 blocks and N - 1 dK/dV sums.
+
+Pure: plain data in, frozen dataclasses out; tested without processes
+(``tests/test_transfers.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+from ringray.attention.documents import Documents
+from ringray.attention.layouts import Layout, block_work
+
+Pair = tuple[int, int]  # (source, reader): the source's K/V block goes to the reader
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One rank's messages in one round (peers are ranks of the ring; ``None``: none)."""
+
+    kv_from: int | None = None  # receive this rank's K/V block
+    kv_to: int | None = None  # send the own K/V block to this rank
+    dkv_from: int | None = None  # receive this reader's dK/dV partial sum of the own block
+    dkv_to: int | None = None  # send this source the dK/dV partial sum of its block
+
+    @property
+    def empty(self) -> bool:
+        return (self.kv_from, self.kv_to, self.dkv_from, self.dkv_to) == (None,) * 4
+
+
+@dataclass(frozen=True)
+class Step:
+    """Post ``exchange`` (``None``: nothing to post), compute against the K/V block that
+    started on rank ``block`` (``None``: nothing to compute), then wait for the exchange."""
+
+    exchange: Exchange | None
+    block: int | None
+
+
+@dataclass(frozen=True)
+class TransferCounts:
+    """Messages one rank sends in one ring call, and what the plain ring would send."""
+
+    forward_kv: int
+    backward_kv: int
+    backward_dkv: int
+    ring_forward: int  # the plain ring's: N - 1 K/V blocks
+    ring_backward: int  # the plain ring's: N - 1 K/V blocks and N - 1 dK/dV sums
+
+    @property
+    def forward_skipped(self) -> int:
+        return self.ring_forward - self.forward_kv
+
+    @property
+    def backward_skipped(self) -> int:
+        return self.ring_backward - self.backward_kv - self.backward_dkv
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """Who sends which K/V block to whom, in which round, for one ring call's mask."""
+
+    world_size: int
+    reads: tuple[tuple[bool, ...], ...]  # [reader][source]
+    rounds: tuple[tuple[Pair, ...], ...]  # forward rounds 1, 2, ...: (source, reader) pairs
+
+    @cached_property
+    def _received_in(self) -> tuple[dict[int, int], ...]:
+        """Per rank: forward round (1-based) -> the source whose block it receives then."""
+        table: tuple[dict[int, int], ...] = tuple({} for _ in range(self.world_size))
+        for index, pairs in enumerate(self.rounds, start=1):
+            for source, reader in pairs:
+                table[reader][index] = source
+        return table
+
+    def last_received(self, rank: int) -> int | None:
+        """The forward round in which ``rank`` receives its last block (``None``: none);
+        that block is kept for the start of the backward and not sent again."""
+        rounds = self._received_in[rank]
+        return max(rounds) if rounds else None
+
+    def _round(self, index: int) -> tuple[Pair, ...]:
+        return self.rounds[index - 1] if 1 <= index <= len(self.rounds) else ()
+
+    def forward_steps(self, rank: int) -> tuple[Step, ...]:
+        """``rank``'s forward: its own block first, then each received block, one step
+        after the round that brought it."""
+        exchanges = []
+        for index in range(1, len(self.rounds) + 1):
+            kv_from = self._received_in[rank].get(index)
+            kv_to = next((r for s, r in self.rounds[index - 1] if s == rank), None)
+            if kv_from is not None or kv_to is not None:
+                exchanges.append(Exchange(kv_from=kv_from, kv_to=kv_to))
+        steps, block = [], rank
+        for exchange in exchanges:
+            steps.append(Step(exchange, block))
+            block = exchange.kv_from
+        if block is not None:
+            steps.append(Step(None, block))
+        return tuple(steps)
+
+    def backward_steps(self, rank: int) -> tuple[Step, ...]:
+        """``rank``'s backward: rounds in reverse, ending with its own block. Backward
+        round u computes the block received in forward round u (round 0: the own block) and
+        carries round u - 1's K/V blocks and round u + 1's dK/dV sums."""
+        last = {r: self.last_received(r) for r in range(self.world_size)}
+        steps = []
+        for index in range(len(self.rounds), -1, -1):
+            kv = [(s, r) for s, r in self._round(index - 1) if last[r] != index - 1]
+            dkv = self._round(index + 1)
+            exchange = Exchange(
+                kv_from=next((s for s, r in kv if r == rank), None),
+                kv_to=next((r for s, r in kv if s == rank), None),
+                dkv_from=next((r for s, r in dkv if s == rank), None),
+                dkv_to=next((s for s, r in dkv if r == rank), None),
+            )
+            block = self._received_in[rank].get(index) if index else rank
+            if not exchange.empty or block is not None:
+                steps.append(Step(None if exchange.empty else exchange, block))
+        return tuple(steps)
+
+    def counts(self, rank: int) -> TransferCounts:
+        """Messages ``rank`` sends in one call (forward and backward), beside the ring's."""
+        def sent(steps: tuple[Step, ...], field: str) -> int:
+            return sum(getattr(s.exchange, field) is not None for s in steps if s.exchange)
+
+        forward, backward = self.forward_steps(rank), self.backward_steps(rank)
+        ring = self.world_size - 1
+        return TransferCounts(
+            forward_kv=sent(forward, "kv_to"), backward_kv=sent(backward, "kv_to"),
+            backward_dkv=sent(backward, "dkv_to"), ring_forward=ring, ring_backward=2 * ring,
+        )
+
+
+def plan_transfers(
+    layout: Layout, causal: bool, documents: Documents | None = None,
+    window: int | None = None,
+) -> TransferPlan:
+    """The :class:`TransferPlan` of a ring call over ``layout`` (its ring: one block per
+    rank) under the mask: causal or not, packed ``documents``, a sliding ``window``."""
+    work = block_work(layout, documents, causal=causal, window=window)
+    reads = tuple(tuple(pairs > 0 for pairs in row) for row in work)
+    return TransferPlan(world_size=layout.world_size, reads=reads,
+                        rounds=transfer_rounds(reads))
+
+
+def transfer_rounds(reads: Sequence[Sequence[bool]]) -> tuple[tuple[Pair, ...], ...]:
+    """Every ``(source, reader)`` pair with ``reads[reader][source]`` (source != reader),
+    grouped into rounds in which each rank is at most one pair's source and at most one
+    pair's reader. Each round is a maximum matching of what is left, found by augmenting
+    paths from the readers with the most blocks still to come; a reader tries its sources
+    nearest first in ring distance ``(reader - source) mod N``, so when every block is read
+    round t is exactly ring distance t."""
+    world = len(reads)
+    by_distance = {r: [(r - d) % world for d in range(1, world)] for r in range(world)}
+    waiting = {r: [s for s in by_distance[r] if reads[r][s]] for r in range(world)}
+    rounds = []
+    while any(waiting.values()):
+        source_of: dict[int, int] = {}
+        reader_of: dict[int, int] = {}
+        order = sorted((r for r in range(world) if waiting[r]), key=lambda r: (-len(waiting[r]), r))
+        for reader in order:
+            _augment(reader, waiting, source_of, reader_of, set())
+        rounds.append(tuple(sorted((s, r) for r, s in source_of.items())))
+        for reader, source in source_of.items():
+            waiting[reader].remove(source)
+    return tuple(rounds)
+
+
+def _augment(reader: int, waiting: dict[int, list[int]], source_of: dict[int, int],
+             reader_of: dict[int, int], visited: set[int]) -> bool:
+    """Match ``reader`` to a source, moving earlier readers to other sources if need be
+    (an augmenting path); False when no path exists."""
+    for source in waiting[reader]:
+        if source in visited:
+            continue
+        visited.add(source)
+        holder = reader_of.get(source)
+        if holder is None or _augment(holder, waiting, source_of, reader_of, visited):
+            source_of[reader] = source
+            reader_of[source] = reader
+            return True
+    return False

@@ -1,0 +1,220 @@
+"""The transfer plan sends each K/V block to exactly the ranks that read it, in rounds where
+every rank sends and receives at most one block, and its per-rank steps, run together, pair
+every send with a receive, never deadlock, compute every block a rank reads exactly once per
+phase and bring every dK/dV partial sum back to its owner.
+
+The protocol is checked by simulation (:func:`run_protocol`): every rank walks its steps as
+the ring loop does (post, compute, wait; the next step only once the wait is over), messages
+pair up first-in first-out per (sender, receiver, kind) as on NCCL, and an exchange is over
+only when each of its messages has met its counterpart (a rendezvous, the strictest
+transport). The exactness of the ring itself is pinned by the multi-process tests.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ringray.attention import block_work, make_layout
+from ringray.attention.transfers import (
+    TransferPlan,
+    plan_transfers,
+    transfer_rounds,
+)
+
+
+class _Phase:
+    """Every rank's steps of one phase, run together message by message."""
+
+    def __init__(self, plan: TransferPlan, phase: str, saved: dict[int, int | None]) -> None:
+        world = plan.world_size
+        self.steps = {r: plan.forward_steps(r) if phase == "forward" else plan.backward_steps(r)
+                      for r in range(world)}
+        self.position = dict.fromkeys(range(world), 0)
+        self.channels: dict[tuple, list[dict]] = defaultdict(list)  # (src, dst, kind)
+        self.posted: dict[int, list] = {}  # rank -> its open exchange's messages
+        self.held = {r: {saved[r]} - {None} for r in range(world)}  # K/V blocks on hand
+        self.computed: dict[int, list[int]] = defaultdict(list)
+        self.owned = {r: {(r, r)} for r in range(world)}  # dK/dV sums: (block, reader)
+        self.done: dict[int, dict[int, set]] = defaultdict(dict)  # rank -> block -> sums
+        self.backward = phase == "backward"
+        self.messages = 0
+        self.most_held = 0
+
+    def post(self, rank: int) -> None:
+        ex = self.steps[rank][self.position[rank]].exchange
+        messages = []
+        if ex is not None:
+            for kind, peer, outgoing in (("kv", ex.kv_to, True), ("dkv", ex.dkv_to, True),
+                                         ("kv", ex.kv_from, False), ("dkv", ex.dkv_from, False)):
+                if peer is None:
+                    continue
+                payload = None
+                if outgoing:
+                    payload = rank if kind == "kv" else self.done[rank].pop(peer)
+                    self.messages += 1
+                entry = {"out": outgoing, "payload": payload, "met": False}
+                key = (rank, peer, kind) if outgoing else (peer, rank, kind)
+                self.channels[key].append(entry)
+                messages.append((kind, entry))
+        self.posted[rank] = messages
+
+    def match(self) -> None:
+        """Pair unmet sends and receives of each channel, first in first out."""
+        for queue in self.channels.values():
+            sends = [e for e in queue if e["out"] and not e["met"]]
+            recvs = [e for e in queue if not e["out"] and not e["met"]]
+            for send, recv in zip(sends, recvs, strict=False):
+                send["met"] = recv["met"] = True
+                recv["payload"] = send["payload"]
+
+    def finish(self, rank: int) -> None:
+        """The step's compute (on what was on hand before its messages) and its wait."""
+        step = self.steps[rank][self.position[rank]]
+        if step.block is not None:
+            if step.block != rank:
+                assert step.block in self.held[rank], (rank, step)
+                self.held[rank].discard(step.block)
+                if self.backward:
+                    self.done[rank][step.block] = {(step.block, rank)}
+            self.computed[rank].append(step.block)
+        for kind, entry in self.posted[rank]:
+            if not entry["out"]:
+                if kind == "kv":
+                    self.held[rank].add(entry["payload"])
+                else:
+                    self.owned[rank] |= entry["payload"]
+        self.most_held = max(self.most_held, len(self.held[rank]))
+        self.position[rank] += 1
+
+    def run(self) -> None:
+        ranks = list(self.steps)
+        for rank in ranks:
+            if self.steps[rank]:
+                self.post(rank)
+        while any(self.position[r] < len(self.steps[r]) for r in ranks):
+            self.match()
+            ready = [r for r in ranks if self.position[r] < len(self.steps[r])
+                     and all(entry["met"] for _, entry in self.posted[r])]
+            assert ready, f"deadlock at steps {self.position}"
+            for rank in ready:
+                self.finish(rank)
+                if self.position[rank] < len(self.steps[rank]):
+                    self.post(rank)
+
+
+def run_protocol(plan: TransferPlan) -> dict:
+    """Run every rank's forward, then backward steps together: what each rank computed per
+    phase, the dK/dV sums each owner ended with, the most received K/V blocks a rank held
+    between steps, and the messages sent."""
+    world = plan.world_size
+    forward = _Phase(plan, "forward", dict.fromkeys(range(world)))
+    forward.run()
+    backward = _Phase(plan, "backward", {r: _last_source(plan, r) for r in range(world)})
+    backward.run()
+    return {"computed": {"forward": dict(forward.computed),
+                         "backward": dict(backward.computed)},
+            "owners": backward.owned, "held": max(forward.most_held, backward.most_held),
+            "messages": forward.messages + backward.messages}
+
+
+def _last_source(plan: TransferPlan, rank: int) -> int | None:
+    last = plan.last_received(rank)
+    return None if last is None else next(s for s, r in plan.rounds[last - 1] if r == rank)
+
+
+def check_plan(plan: TransferPlan) -> dict:
+    world = plan.world_size
+    result = run_protocol(plan)
+    for rank in range(world):
+        readers = {r for r in range(world) if plan.reads[r][rank]}
+        reads = sorted(s for s in range(world) if plan.reads[rank][s])
+        for phase in ("forward", "backward"):
+            got = result["computed"][phase].get(rank, [])
+            assert sorted(got) == reads, (phase, rank, got, reads)
+        assert result["computed"]["forward"][rank][0] == rank  # the own block first...
+        assert result["computed"]["backward"][rank][-1] == rank  # ... and last
+        assert result["owners"][rank] == {(rank, r) for r in readers}, rank
+    # One block on hand between steps, and one more arriving: two receive buffers.
+    assert result["held"] <= 1, "a rank held more than one received K/V block between steps"
+    return result
+
+
+def test_every_round_is_a_matching_covering_each_read_once():
+    g = torch.Generator().manual_seed(0)
+    for world in range(1, 9):
+        for _ in range(20):
+            reads = (torch.rand(world, world, generator=g) < 0.4) | torch.eye(world).bool()
+            rounds = transfer_rounds(reads.tolist())
+            pairs = [p for round_pairs in rounds for p in round_pairs]
+            want = {(s, r) for r in range(world) for s in range(world)
+                    if s != r and reads[r][s]}
+            assert sorted(pairs) == sorted(want)
+            for round_pairs in rounds:
+                assert len({s for s, _ in round_pairs}) == len(round_pairs)
+                assert len({r for _, r in round_pairs}) == len(round_pairs)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_every_block_read_is_the_ring_by_distance(world):
+    """Without documents zigzag's every rank reads every block: round t is ring distance
+    t, a rank sends N - 1 blocks forward, N - 2 blocks and N - 1 dK/dV sums backward."""
+    plan = plan_transfers(make_layout("zigzag", world, 8 * world), causal=True)
+    assert plan.rounds == tuple(tuple(sorted(((r - t) % world, r) for r in range(world)))
+                                for t in range(1, world))
+    check_plan(plan)
+    for rank in range(world):
+        counts = plan.counts(rank)
+        assert (counts.forward_kv, counts.backward_kv, counts.backward_dkv) == (
+            world - 1, world - 2, world - 1)
+        assert counts.forward_skipped == 0 and counts.backward_skipped == 1
+
+
+def test_short_documents_on_a_contiguous_layout_send_only_to_the_neighbour():
+    """Documents that never span more than two ranks: rank r reads r - 1's block only
+    where a document crosses their boundary."""
+    documents = [5, 6, 3, 4, 4, 2, 8]  # 32 tokens, 8 per rank: documents cross 8 and 16
+    layout = make_layout("contiguous", 4, 32, documents=documents)
+    plan = plan_transfers(layout, causal=True, documents=check(documents, 32))
+    assert [[int(x) for x in row] for row in plan.reads] == [
+        [1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 0, 1]]
+    assert plan.rounds == (((0, 1), (1, 2)),)
+    check_plan(plan)
+    assert plan.counts(3).forward_kv == 0 and plan.counts(3).forward_skipped == 3
+
+
+def check(documents, seq):
+    from ringray.attention.documents import check_documents
+
+    return check_documents(documents, seq)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 8), st.data())
+def test_any_read_pattern_runs_without_deadlock_and_returns_every_sum(world, data):
+    """Any pattern of reads (the own block always read) runs to completion, each rank
+    computing exactly the blocks it reads in both phases and every dK/dV sum reaching its
+    owner."""
+    reads = [[s == r or data.draw(st.booleans()) for s in range(world)] for r in range(world)]
+    plan = TransferPlan(world_size=world, reads=tuple(map(tuple, reads)),
+                        rounds=transfer_rounds(reads))
+    result = check_plan(plan)
+    sent = sum(sum(row) - 1 for row in reads)  # forward K/V, then the backward's messages
+    resent = sum(plan.last_received(r) is not None for r in range(world))
+    assert result["messages"] == sent + (sent - resent) + sent
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "zigzag", "striped", "balanced"])
+@pytest.mark.parametrize("world", [4, 8])
+def test_reads_are_the_block_pairs_with_a_visible_pair(kind, world):
+    documents = [1, 2, 3, 50, 4, 1, 1, 30, 7, 5, 2, 22, 3, 5, 6, 14, 4, 32]
+    seq = sum(documents)
+    layout = make_layout(kind, world, seq, documents=documents)
+    plan = plan_transfers(layout, causal=True, documents=check(documents, seq))
+    work = block_work(layout, documents)
+    assert plan.reads == tuple(tuple(w > 0 for w in row) for row in work)
+    check_plan(plan)
