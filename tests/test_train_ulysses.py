@@ -105,9 +105,7 @@ def _saved_bytes(model: Transformer, tokens: torch.Tensor, labels: torch.Tensor,
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        logits = model(tokens, ring)
-        torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(),
-                                          reduction="sum")
+        model(tokens, ring, labels=labels)  # the trainer's loss: chunked, no logits kept
     return sum(saved.values())
 
 
@@ -272,8 +270,8 @@ def test_plan_counts_the_all_to_alls_and_activations_of_a_real_run(tmp_path_fact
                                                                    ulysses: int) -> None:
     """``a2a_bytes_per_layer`` equals what a forward and backward of the tiny model really
     sent in all-to-alls on every rank (2 layers; K/V repeated x2 at ulysses 4), and
-    ``activation_bytes_per_token`` (less the logits the trainer holds, which autograd does
-    not save) equals the bytes autograd saves per local token, measured at two lengths so
+    ``activation_bytes_per_token`` equals the bytes autograd saves per local token (the
+    trainer's chunked loss keeps no logits), measured at two lengths so
     the constant part cancels. Two rows per rank: with one, the all-to-all's q is a view that
     keeps its whole receive buffer (q, k and v heads) alive, 2ker bytes per token more
     (reported: ``ringray.attention.ulysses.unpack_heads`` is not contiguous for one row)."""
@@ -290,6 +288,5 @@ def test_plan_counts_the_all_to_alls_and_activations_of_a_real_run(tmp_path_fact
         # token, counts them per row, so one row's worth is all that is saved here.
         rotary_per_row = 8 * cfg.head_dim * (MEASURED_BATCH - 1) // MEASURED_BATCH
         expected = (activation_bytes_per_token(cfg, bf16=False, checkpointing="none",
-                                               ulysses=ulysses)
-                    - 4 * cfg.vocab_size - rotary_per_row)
+                                               ulysses=ulysses) - rotary_per_row)
         assert per_token == expected, rank

@@ -4,6 +4,7 @@
     ring = RingContext(group=cp_group, layout=layout, rank=cp_rank)
     logits = model(tokens_local, ring)          # (batch, local_seq, vocab)
     logits = model(tokens)                      # one process, the whole sequence
+    loss_sum = model(tokens_local, ring, labels=labels_local)   # no full logits
 
 Each rank holds its share of every sequence in the layout's local order. Everything but
 attention is per token, so it runs locally; rotary embeddings use each token's *global*
@@ -44,6 +45,7 @@ from ringray.attention import (
 )
 from ringray.attention.backends.common import upload
 from ringray.model.config import ModelConfig
+from ringray.model.loss import LOSS_CHUNK_TOKENS, chunked_cross_entropy_sum
 from ringray.model.rope import apply_rotary, compute_dtype, rotary_tables
 
 ActivationCheckpointing = Literal["none", "full", "selective"]
@@ -213,6 +215,20 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+def parameter_init(name: str, cfg: ModelConfig) -> tuple[Literal["fill", "normal"], float]:
+    """How parameter ``name`` starts: ``("fill", value)`` or ``("normal", std)``. Norm gains
+    are 1, biases 0, weights Normal(0, init_std), except that the projections writing into
+    the residual stream are scaled by ``1/sqrt(2 n_layers)`` so the stream's variance does
+    not grow with depth (GPT-2's rule)."""
+    if name.endswith("norm.weight"):
+        return "fill", 1.0
+    if name.endswith(".bias"):
+        return "fill", 0.0
+    if name.endswith(("wo.weight", "w2.weight")):
+        return "normal", cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    return "normal", cfg.init_std
+
+
 class Transformer(nn.Module):
     """Token embedding, ``n_layers`` pre-norm blocks, final RMSNorm, output projection.
 
@@ -226,7 +242,8 @@ class Transformer(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *,
-                 activation_checkpointing: ActivationCheckpointing | bool = "none") -> None:
+                 activation_checkpointing: ActivationCheckpointing | bool = "none",
+                 loss_chunk_tokens: int = LOSS_CHUNK_TOKENS) -> None:
         super().__init__()
         if isinstance(activation_checkpointing, bool):
             activation_checkpointing = "full" if activation_checkpointing else "none"
@@ -235,6 +252,7 @@ class Transformer(nn.Module):
                              f"one of {', '.join(map(repr, get_args(ActivationCheckpointing)))}")
         self.config = cfg
         self.activation_checkpointing: ActivationCheckpointing = activation_checkpointing
+        self.loss_chunk_tokens = loss_chunk_tokens  # tokens per chunk of forward(labels=...)
         # The Hugging Face checkpoint the weights came from, set by load_pretrained;
         # save_pretrained copies its tokenizer and keeps the rest of its config.json.
         self.pretrained_source: str | None = None
@@ -255,25 +273,28 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Normal(0, init_std) weights and zero biases; the projections that write into the
-        residual stream are scaled by ``1/sqrt(2 n_layers)`` so the stream's variance does
-        not grow with depth (GPT-2's rule)."""
-        std = self.config.init_std
+        """Every parameter as :func:`parameter_init` says, drawn from torch's global RNG
+        (a trainer fills its shards with a sharding-independent stream instead:
+        :mod:`ringray.train.materialize`)."""
         for name, param in self.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            elif name.endswith(".bias"):
-                param.zero_()
-            elif name.endswith(("wo.weight", "w2.weight")):
-                param.normal_(0.0, std / math.sqrt(2 * self.config.n_layers))
+            kind, value = parameter_init(name, self.config)
+            if kind == "fill":
+                param.fill_(value)
             else:
-                param.normal_(0.0, std)
+                param.normal_(0.0, value)
 
-    def forward(self, tokens: torch.Tensor, ring: RingContext | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, ring: RingContext | None = None, *,
+                labels: torch.Tensor | None = None, ignore_index: int = -100) -> torch.Tensor:
         """Logits ``(batch, local_seq, vocab)`` for this rank's tokens ``(batch, local_seq)``.
 
         Without ``ring`` the whole sequence is in this one process (a one-rank contiguous
         layout): ``model(tokens)`` is an ordinary decoder call.
+
+        With ``labels`` (the next tokens, shaped like ``tokens``; ``ignore_index`` for those
+        that do not count) it returns their cross-entropy *sum* instead, from
+        :func:`~ringray.model.loss.chunked_cross_entropy_sum` over ``loss_chunk_tokens``
+        tokens at a time, so the full logits never exist. It is computed here, in the
+        forward, so that FSDP has the output weight gathered.
         """
         if ring is None:
             ring = self._single_process_ring(tokens)
@@ -293,7 +314,12 @@ class Transformer(nn.Module):
                 x = checkpoint(block, x, cos, sin, ring, use_reentrant=False)
             else:
                 x = block(x, cos, sin, ring)
-        return self.output(self.norm(x))
+        hidden = self.norm(x)
+        if labels is None:
+            return self.output(hidden)
+        return chunked_cross_entropy_sum(hidden, self.output.weight, labels,
+                                         chunk_tokens=self.loss_chunk_tokens,
+                                         ignore_index=ignore_index)
 
     @staticmethod
     def _single_process_ring(tokens: torch.Tensor) -> RingContext:

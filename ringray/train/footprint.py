@@ -22,6 +22,8 @@ The accounting follows what :mod:`ringray.train.trainer` allocates:
   :func:`head_activation_bytes_per_token` (the formula, and where each term comes from);
   what each activation checkpointing mode keeps (:func:`kept_activation_bytes_per_token`)
   and recomputes (:func:`recompute_bytes_per_token`).
+- **The loss** (:mod:`ringray.model.loss`): no logits are kept; the backward rebuilds one
+  chunk of ``LOSS_CHUNK_TOKENS`` tokens' logits at a time, :func:`loss_chunk_bytes`.
 - **Ring buffers**: :func:`ring_buffer_bytes_per_token` (counted from
   :mod:`ringray.attention.ring`).
 - **Ulysses × ring** (``ulysses`` U > 1, :mod:`ringray.attention.ulysses`): the ring runs over
@@ -37,8 +39,9 @@ The accounting follows what :mod:`ringray.train.trainer` allocates:
   parameter.
 - **The peak** (:class:`Footprint`): gradients fill in as the backward frees activations,
   so the peak is the weights and AdamW state plus the largest of the backward's start
-  (every activation, the first gradients), its end (every gradient, one block's
-  activations) and the optimizer step (every gradient, the step transient).
+  (every activation, the first gradients, and the loss chunk's or a block's working set),
+  its end (every gradient, one block's activations) and the optimizer step (every
+  gradient, the step transient).
 
 ``tests/test_capacity.py`` checks the activation terms against what autograd saves and the
 allocator holds; ``tests/test_bench_memory.py`` the peak against measured steps.
@@ -52,6 +55,7 @@ from dataclasses import dataclass
 from ringray.attention.ulysses import check_ulysses_heads
 from ringray.model import ModelConfig
 from ringray.model.llama import ActivationCheckpointing as Checkpointing
+from ringray.model.loss import LOSS_CHUNK_TOKENS
 
 
 def kv_repeat(cfg: ModelConfig, ulysses: int) -> int:
@@ -113,15 +117,33 @@ def head_activation_bytes_per_token(cfg: ModelConfig, *, bf16: bool) -> int:
     """Bytes outside the blocks, per token::
 
         final norm   4d + 4d + 4        as in a block
-        output in    ad                 the output projection's (bf16) input
-        logits       aV + 4V            the logits the training step holds, and the float32
-                                        log-softmax the cross-entropy saves
+        loss input   ad                 the final norm's output as the output projection
+                                        takes it (bf16 under autocast or with bf16
+                                        weights), which the loss's checkpoints keep
         rotary       8e                 float32 cos and sin tables, shared by every layer
         tokens       16                 int64 inputs (embedding) and labels (loss)
+
+    No logits: the loss rebuilds them a chunk at a time in the backward
+    (:func:`loss_chunk_bytes`).
     """
-    d, e, v = cfg.dim, cfg.head_dim, cfg.vocab_size
+    d, e = cfg.dim, cfg.head_dim
     a = 2 if bf16 else 4
-    return (4 * d + 4 * d + 4) + a * d + (a * v + 4 * v) + 8 * e + 16
+    return (4 * d + 4 * d + 4) + a * d + 8 * e + 16
+
+
+LOSS_BYTES_PER_LOGIT = 12
+"""What one chunk's backward holds per logit (:mod:`ringray.model.loss`): the float32
+log-softmax its recompute saved, the gradient the NLL hands back to it, and the gradient it
+hands on to the logits, 4 bytes each. (Under bf16 the logits' bf16 copy and their float32
+copy are freed before these three meet, and the bf16 gradient after them.)"""
+
+
+def loss_chunk_bytes(cfg: ModelConfig, *, local_tokens: int,
+                     chunk_tokens: int = LOSS_CHUNK_TOKENS) -> int:
+    """The cross-entropy's working set at its peak, in the backward of one chunk of
+    ``min(chunk_tokens, local_tokens)`` tokens: ``12 V`` bytes a token
+    (:data:`LOSS_BYTES_PER_LOGIT`); ``tests/test_loss.py`` checks it against the allocator."""
+    return LOSS_BYTES_PER_LOGIT * cfg.vocab_size * min(chunk_tokens, local_tokens)
 
 
 def kept_activation_bytes_per_token(cfg: ModelConfig, *, bf16: bool, checkpointing: Checkpointing,
@@ -239,12 +261,13 @@ class Footprint:
     """Bytes on one rank. The forward leaves ``kept_activations``; the backward of a block
     adds its working set, ``backward_working = max(recompute, ring_buffers + what a full
     recompute keeps alive during the ring's backward)`` (a selective recompute's two regions
-    are rebuilt before and after the ring's backward, not during it). Gradients fill in as
+    are rebuilt before and after the ring's backward, not during it), and before any block
+    the loss's backward rebuilds one chunk of logits, ``loss_chunk``. Gradients fill in as
     the backward frees activations, so the peak is ``weights + optimizer`` plus the largest
     of three moments:
 
-    - the backward's start: ``kept_activations + backward_working + gathered +
-      first_gradients`` (the root's and one block's gradients);
+    - the backward's start: ``kept_activations + max(backward_working, loss_chunk) +
+      gathered + first_gradients`` (the root's and one block's gradients);
     - its end: all ``gradients`` + ``last_block_kept + backward_working + gathered``;
     - the optimizer step: all ``gradients + step_transient``.
 
@@ -259,6 +282,7 @@ class Footprint:
     recompute_bytes: int
     ring_buffers_bytes: int
     backward_working_bytes: int
+    loss_chunk_bytes: int
     gathered_bytes: int
     step_transient_bytes: int
     first_gradients_bytes: int
@@ -272,11 +296,12 @@ class Footprint:
 
 
 def rank_footprint(cfg: ModelConfig, *, local_tokens: int, cp: int, shards: int, bf16: bool,
-                   checkpointing: Checkpointing, ulysses: int = 1) -> Footprint:
+                   checkpointing: Checkpointing, ulysses: int = 1,
+                   loss_chunk_tokens: int = LOSS_CHUNK_TOKENS) -> Footprint:
     """One rank's memory with ``local_tokens`` tokens (its sequences' shares over ``cp``
     ranks, a ring of cp / ``ulysses`` Ulysses groups), weights split ``shards`` ways (dp × cp
     with FSDP, 1 replicated), bf16 compute (autocast when replicated, FSDP's bf16 weights
-    when sharded) or float32."""
+    when sharded) or float32, the loss computed ``loss_chunk_tokens`` tokens at a time."""
     sharded = shards > 1
     local_params = math.ceil(cfg.num_params() / shards)
     autocast_copies = 2 * _matmul_params(cfg) if bf16 and not sharded else 0
@@ -290,11 +315,13 @@ def rank_footprint(cfg: ModelConfig, *, local_tokens: int, cp: int, shards: int,
                                          ulysses=ulysses)
     alongside = local_tokens * (before + ring_saved) if checkpointing == "full" else 0
     working = max(recompute, alongside + ring)
+    loss_chunk = loss_chunk_bytes(cfg, local_tokens=local_tokens,
+                                  chunk_tokens=loss_chunk_tokens)
     last_block_kept = local_tokens * _layer_kept(cfg, **terms)
     gathered = gathered_bytes(cfg, bf16=bf16) if sharded else 0
     gradients, transient = 4 * local_params, 4 * local_params
     first_gradients = 4 * math.ceil(sum(_root_and_block_params(cfg)) / shards)
-    moments = {"backward start": first_gradients + kept + working + gathered,
+    moments = {"backward start": first_gradients + kept + max(working, loss_chunk) + gathered,
                "backward end": gradients + last_block_kept + working + gathered,
                "optimizer step": gradients + transient}
     moment = max(moments, key=moments.__getitem__)
@@ -302,6 +329,7 @@ def rank_footprint(cfg: ModelConfig, *, local_tokens: int, cp: int, shards: int,
         weights_bytes=weights, gradients_bytes=gradients, optimizer_bytes=8 * local_params,
         activations_bytes=kept + recompute, kept_activations_bytes=kept,
         recompute_bytes=recompute, ring_buffers_bytes=ring, backward_working_bytes=working,
+        loss_chunk_bytes=loss_chunk,
         gathered_bytes=gathered, step_transient_bytes=transient,
         first_gradients_bytes=first_gradients, last_block_kept_bytes=last_block_kept,
         peak_bytes=weights + 8 * local_params + moments[moment], peak_moment=moment,

@@ -52,7 +52,6 @@ from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ringray.accelerators import peak_flops_of
@@ -334,11 +333,11 @@ class Trainer:
                            divisor: int) -> torch.Tensor:
         """Forward over ``ring``, then backward of the cross-entropy sum (labels
         ``IGNORE_LABEL`` left out) divided by ``divisor`` (at least 1: a batch with no
-        counted label gives zero gradients); returns the detached sum."""
+        counted label gives zero gradients); returns the detached sum. The model computes
+        the loss chunk by chunk, never holding the full logits
+        (:mod:`ringray.model.loss`)."""
         with self._autocast():
-            logits = self.model(inputs, ring)
-        loss_sum = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
-                                   ignore_index=IGNORE_LABEL, reduction="sum")
+            loss_sum = self.model(inputs, ring, labels=labels, ignore_index=IGNORE_LABEL)
         (loss_sum / max(divisor, 1)).backward()
         return loss_sum.detach()
 
