@@ -5,13 +5,13 @@ Real gloo processes, float32, SDPA, the two-layer debug model, three AdamW steps
 
 - FSDP over dp 2 × cp 2 (zigzag; also with selective and with full activation
   checkpointing, which recompute under FSDP's gathered weights) and over dp 1 × cp 4
-  (zigzag and striped), and a pretrained Llama with tied embeddings loaded before sharding,
-  give the per-step losses (1e-5), the summed and clipped gradients (1e-5) and the final
-  weights (1e-4; AdamW amplifies tiny gradient differences, see tests/test_train_exact.py)
-  of a replicated one-device run on the same global batch. (dp 2 × cp 2 striped is left
-  out: there one embedding element whose gradient nearly cancels ends 1.3e-4 from the
-  one-device run's, replicated or sharded alike: a float32 summation-order effect that
-  AdamW amplifies, not FSDP's.)
+  (zigzag and striped), and a pretrained Llama with tied embeddings (each rank reading its
+  shard's rows), give the per-step losses (1e-5), the summed and clipped gradients (1e-5)
+  and the final weights (1e-4; AdamW amplifies tiny gradient differences, see
+  tests/test_train_exact.py) of a replicated one-device run on the same global batch.
+  (dp 2 × cp 2 striped is left out: there one embedding element whose gradient nearly
+  cancels ends 1.3e-4 from the one-device run's, replicated or sharded alike: a float32
+  summation-order effect that AdamW amplifies, not FSDP's.)
 - A checkpoint written by FSDP at dp 2 × cp 2 continues at FSDP dp 1 × cp 2 and at replicated
   cp 2; a replicated checkpoint continues under FSDP; each ends where the uninterrupted run
   ends (losses 1e-5, weights 1e-5). ``ringray export`` writes an FSDP-written checkpoint
@@ -142,9 +142,9 @@ def test_fsdp_equals_single_device(tmp_path_factory, run: str) -> None:
 
 
 def test_fsdp_loads_pretrained_tied_embeddings(tmp_path_factory) -> None:
-    """A pretrained Llama with tied embeddings is loaded whole on every rank, then sharded;
-    the one table stays one parameter (in the root's FSDP unit) and training matches the
-    replicated one-process run of the same job."""
+    """A pretrained Llama with tied embeddings, sharded on meta and each rank's rows read
+    from the checkpoint: the one table stays one parameter (in the root's FSDP unit) and
+    training matches the replicated one-process run of the same job."""
     got = _sharded_runs(tmp_path_factory)["pretrained-tied"]
     options = _cache["pretrained-options"]
     want = record_steps(changed(options, parallel={"dp": 1, "cp": 1, "fsdp": False}), STEPS)

@@ -26,6 +26,12 @@ TINY_MODEL = model_preset("debug", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, 
 def tiny_options(run_dir: str, **sections: dict) -> TrainOptions:
     """A two-layer model on 64-token sequences of the standard library, float32, SDPA.
 
+    AdamW's eps is 1e-5, not 1e-8: the runs these options make are compared step by step,
+    and an element whose gradient nearly cancels (1e-8, next to the usual 1e-3) moves by
+    about ``lr * g / (|g| + eps)``, so a float32 summation-order difference of 3e-9 in it
+    (another ring order, another sharding) moves it by up to ``lr * 3e-9 / eps``: 3e-3 with
+    1e-8, 3e-6 with 1e-5. Which elements nearly cancel depends on the initial weights.
+
     ``sections`` change fields section by section, as a job spec would:
     ``tiny_options(d, parallel={"cp": 2}, train={"steps": 6})``.
     """
@@ -34,7 +40,7 @@ def tiny_options(run_dir: str, **sections: dict) -> TrainOptions:
         parallel=ParallelOptions(attention_backend="sdpa"),
         train=TrainingOptions(
             seq_len=64, global_batch=2, steps=3, precision="fp32",
-            optimizer=OptimizerOptions(lr=1e-2, warmup_steps=1),
+            optimizer=OptimizerOptions(lr=1e-2, warmup_steps=1, eps=1e-5),
             peak_tflops_per_device=1.0,  # a fixed peak: no matmul measurement in tests
         ),
         run_dir=run_dir,

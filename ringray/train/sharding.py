@@ -54,8 +54,9 @@ def shard_model(model: Transformer, mesh: DeviceMesh, *,
     returns the units. ``param_dtype`` (e.g. bf16) is the dtype weights are gathered in,
     with float32 gradient reduction; ``None`` keeps float32 throughout.
 
-    The weights must already be set (initialised, or loaded from a pretrained checkpoint):
-    every rank passes the same full tensors and keeps its shard of each.
+    ``model`` may be on the ``meta`` device (what :func:`ringray.train.materialize.build_model`
+    passes: each rank then materialises and fills only its shards), or hold the same full
+    weights on every rank, each keeping its shard of them.
     """
     policy = MixedPrecisionPolicy(
         param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None,

@@ -66,17 +66,14 @@ from ringray.data import (
     Tokenizer,
     make_source,
 )
-from ringray.model import RingContext, Transformer, load_hf_weights
+from ringray.model import RingContext, Transformer
 from ringray.train.checkpoint import CheckpointError, CheckpointRef, CheckpointStore
+from ringray.train.materialize import build_model
 from ringray.train.mesh import Mesh, build_mesh, resolve_mesh_shape
 from ringray.train.options import TrainOptions, check_token_budget
 from ringray.train.replicas import ReplicaSync, check_replicas
 from ringray.train.schedule import learning_rate
-from ringray.train.sharding import (
-    all_reduce_gradients,
-    clip_gradients_,
-    shard_model,
-)
+from ringray.train.sharding import all_reduce_gradients, clip_gradients_
 from ringray.train.step_stats import REPORT_FIELDS, StepStats, summarize_step
 
 
@@ -167,16 +164,13 @@ class Trainer:
             seq_len=options.train.seq_len, global_batch=options.train.global_batch,
             dp_rank=data_rank, dp_size=data_size, seed=options.data.seed,
         )
-        # The same seed on every rank: the replicas start from identical weights.
+        # The job's RNG state (checkpointed with it); the weights have their own streams.
         torch.manual_seed(options.train.seed)
-        self.model = self._make_model()
         self.compute_dtype = self._compute_dtype(options.train.precision)
         # With FSDP over more than one rank, FSDP's mixed precision gathers bf16 weights, so
         # there is nothing for autocast to cast; with one rank there is nothing to shard.
         self.sharded = options.parallel.fsdp and self.mesh.distributed
-        if self.sharded:
-            shard_model(self.model, self.mesh.fsdp_mesh,
-                        param_dtype=self.compute_dtype)
+        self.model = self._make_model()
         self.autocast_dtype = None if self.sharded else self.compute_dtype
         self.optimizer = self._make_optimizer()
         self.step_count = 0
@@ -214,21 +208,18 @@ class Trainer:
             raise ValueError(f"train.seq_len: {str(exc).removeprefix('layout: ')}") from None
 
     def _make_model(self) -> Transformer:
-        """The model on this device: freshly initialised, or with a pretrained checkpoint's
-        weights (built on the meta device and filled tensor by tensor, so its weights are
-        materialised once). A resumed run's checkpoint then overwrites them. With FSDP the
-        full weights are made (or loaded) first and sharded after, so every sharding starts
-        from the same weights as a replicated run."""
+        """The model on this device, built on ``meta``, sharded (FSDP) or whole, and only
+        then given this rank's weights: fresh from ``train.seed`` or read from the pretrained
+        checkpoint, this rank's rows only (:mod:`ringray.train.materialize`). Every sharding
+        starts from the same weights as a replicated run. A resumed run's checkpoint then
+        overwrites them."""
         options = self.options
-        checkpointing = options.train.activation_checkpointing
-        if options.pretrained is None:
-            return Transformer(options.model,
-                               activation_checkpointing=checkpointing).to(self.device)
-        with torch.device("meta"):
-            model = Transformer(options.model, activation_checkpointing=checkpointing)
-        model.to_empty(device=self.device)
-        model.tie_weights()  # to_empty gives a tied pair separate tensors
-        load_hf_weights(model, options.pretrained)
+        model = build_model(
+            options.model, device=self.device, seed=options.train.seed,
+            activation_checkpointing=options.train.activation_checkpointing,
+            fsdp_mesh=self.mesh.fsdp_mesh if self.sharded else None,
+            param_dtype=self.compute_dtype, pretrained=options.pretrained,
+        )
         model.pretrained_source = options.pretrained
         return model
 
