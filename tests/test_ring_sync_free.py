@@ -10,9 +10,9 @@ two processes running the fused path (the Triton kernels, in Triton's interprete
   ``int()``, ``float()`` (counted by wrapping those methods and keeping the calls whose
   caller is a ``ringray`` module), apart from the agreement's read of its host vector;
 - host-to-device copies of positions, document ids and tile metadata: misses of the caches
-  that hold them (``_device_tokens``, the rank plans, the Triton tile lists).
+  that hold them (``_device_tokens``, the rank and transfer plans, the Triton tile lists).
 
-The one thing allowed per call is the agreement, a 21-integer MAX all-reduce on the ring's
+The one thing allowed per call is the agreement, a 23-integer MAX all-reduce on the ring's
 CPU side group (``agreement_group``); its wall time per call is printed.
 """
 
@@ -70,10 +70,11 @@ def _instrument(log: list[tuple[str, str]]):
 
 def _cache_misses() -> dict[str, int]:
     from ringray.attention.backends.triton_tiles import TILE_LISTS
-    from ringray.attention.ring import _device_tokens, _plan
+    from ringray.attention.ring import _device_tokens, _plan, _transfers
 
     return {"device tokens": _device_tokens.cache_info().misses,
-            "plans": _plan.cache_info().misses, "tile lists": TILE_LISTS.builds}
+            "plans": _plan.cache_info().misses,
+            "transfer plans": _transfers.cache_info().misses, "tile lists": TILE_LISTS.builds}
 
 
 def _rank_counts(rank: int, world: int) -> dict:
@@ -106,13 +107,13 @@ def _rank_counts(rank: int, world: int) -> dict:
         after = _cache_misses()
         per_call.append({"log": log, "misses": {n: after[n] - before[n] for n in after}})
 
-    # The agreement's cost: the MAX all-reduce of the 21-integer vector on the side group.
+    # The agreement's cost: the MAX all-reduce of the 23-integer vector on the side group.
     from ringray.attention.comm import agree_max
 
     dist.barrier()
     start = time.perf_counter()
     for _ in range(50):
-        agree_max(torch.zeros(21, dtype=torch.int64), None)
+        agree_max(torch.zeros(23, dtype=torch.int64), None)
     agreement_ms = (time.perf_counter() - start) / 50 * 1e3
 
     errors = {}
@@ -140,7 +141,8 @@ def test_first_call_fills_the_caches_and_the_next_calls_do_not_sync(ranks) -> No
             syncs = [entry for entry in record["log"] if entry[0] != "agreement"]
             assert syncs == [], f"rank {rank}, call {n}: {syncs}"
             assert [e for e in record["log"] if e[0] == "agreement"] == [("agreement", "")]
-            assert record["misses"] == {"device tokens": 0, "plans": 0, "tile lists": 0}
+            assert record["misses"] == {"device tokens": 0, "plans": 0, "transfer plans": 0,
+                                        "tile lists": 0}
         print(f"rank {rank}: agreement {result['agreement_ms']:.3f} ms per call "
               f"(gloo, local processes); first call's cache misses {first['misses']}")
 

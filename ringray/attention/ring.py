@@ -12,6 +12,10 @@ on every rank, shared by the batch's rows); attention then stays inside each doc
 (:mod:`ringray.attention.documents`). The plan skips K/V blocks and pieces that lie wholly in
 other documents, and ``layout="balanced"`` spreads the documents' work evenly.
 
+Sliding window: ``window=W`` (Mistral-style, causal) lets a query see only keys at most
+``W - 1`` positions before it, on global positions (so, with documents, within its own
+document). Blocks and tiles wholly beyond the window are neither computed nor sent.
+
 Ulysses × ring: ``ulysses_group=`` adds an inner head all-to-all (one node) around the ring
 (across nodes); ``group`` is then the ring of ranks sharing this rank's ulysses index, and
 the layout covers the whole grid (``make_layout(kind, R * U, S, ulysses=U)``). See
@@ -82,6 +86,7 @@ def ring_attention(
     return_lse: bool = False,
     stats: RingStats | None = None,
     documents: Documents | list[int] | None = None,
+    window: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact (causal) attention of this rank's queries over the whole ring's keys.
 
@@ -110,6 +115,9 @@ def ring_attention(
             ``local_seq`` times all ranks, identical on every rank, shared by every row):
             a query sees only keys of its own document (causal within it, or all of it when
             ``causal=False``). ``None``: one document.
+        window: a sliding window (needs ``causal``): a query sees keys at most ``window - 1``
+            positions before it (``window=1``: only itself). ``None``, or a window as long
+            as the sequence: no window.
 
     Raises:
         ValueError: on a bad argument (naming it), or when another rank of the ring (or
@@ -126,7 +134,8 @@ def ring_attention(
         if grid is not None:
             check_grid(comm, grid)
         checked = check_local(q, k, v, comm, layout, causal, softmax_scale, backend,
-                              documents, ulysses=grid.world_size if grid is not None else 1)
+                              documents, ulysses=grid.world_size if grid is not None else 1,
+                              window=window)
     except ValueError as exc:
         error = exc
     agree_across_ranks(comm, checked, error, grid)
@@ -136,7 +145,7 @@ def ring_attention(
         q, k, v = sequence_to_heads(q, k, v, grid, stats)
     out, lse = _RingAttention.apply(
         q, k, v, comm, checked.layout.ring, causal, checked.scale, checked.kernel, stats,
-        checked.documents,
+        checked.documents, checked.window,
     )
     if grid is not None:
         out = heads_to_sequence(out, grid, stats)
@@ -145,24 +154,28 @@ def ring_attention(
 
 
 @lru_cache(maxsize=64)  # plans are pure functions of immutable layouts (and documents)
-def _plan(layout: Layout, rank: int, causal: bool, documents: Documents | None) -> RankPlan:
-    return plan_rank(layout, rank, causal, documents)
+def _plan(layout: Layout, rank: int, causal: bool, documents: Documents | None,
+          window: int | None) -> RankPlan:
+    return plan_rank(layout, rank, causal, documents, window)
 
 
 @lru_cache(maxsize=64)
-def _transfers(layout: Layout, causal: bool, documents: Documents | None) -> TransferPlan:
-    return plan_transfers(layout, causal, documents)
+def _transfers(layout: Layout, causal: bool, documents: Documents | None,
+               window: int | None) -> TransferPlan:
+    return plan_transfers(layout, causal, documents, window)
 
 
-def _kernel_args(piece: Piece, layout: Layout, q_rank: int, k_rank: int,
-                 documents: Documents | None, causal: bool) -> dict:
+def _kernel_args(piece: Piece, call: RingCall, k_rank: int) -> dict:
+    """A planned piece's keyword arguments for the kernel: its kind, and for a MASKED piece
+    the mask's tokens (global positions, document indices) and rule (causal, window)."""
     mask = {}
     if piece.kind is PieceKind.MASKED:
-        q_pos = layout.positions(q_rank)[piece.q_start : piece.q_end]
+        layout, documents = call.layout, call.documents
+        q_pos = layout.positions(call.comm.rank)[piece.q_start : piece.q_end]
         k_pos = layout.positions(k_rank)[piece.k_start : piece.k_end]
-        mask = {"q_pos": q_pos, "k_pos": k_pos}
+        mask = {"q_pos": q_pos, "k_pos": k_pos, "causal": call.causal, "window": call.window}
         if documents is not None:
-            mask.update(causal=causal, q_doc=documents.ids[q_pos], k_doc=documents.ids[k_pos])
+            mask.update(q_doc=documents.ids[q_pos], k_doc=documents.ids[k_pos])
     return {"kind": piece.kind, **mask}
 
 
@@ -214,6 +227,7 @@ class RingCall:
     positions: tuple[torch.Tensor, ...] | None  # per rank, on the device (fused kernels)
     doc_ids: tuple[torch.Tensor | None, ...] | None
     documents: Documents | None
+    window: int | None
     plan: RankPlan
     transfers: TransferPlan
 
@@ -265,15 +279,16 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, comm: RingComm, layout: Layout, causal: bool, scale: float,
                 kernel: BlockAttentionBackend, stats: RingStats | None,
-                documents: Documents | None):
+                documents: Documents | None, window: int | None):
         rank = comm.rank
         fused = isinstance(kernel, FusedStepBackend)
         positions, doc_ids = (_device_tokens(layout, documents, q.device) if fused
                               else (None, None))
         call = RingCall(comm=comm, layout=layout, causal=causal, scale=scale, kernel=kernel,
                         stats=stats, kv_dtype=k.dtype, positions=positions, doc_ids=doc_ids,
-                        documents=documents, plan=_plan(layout, rank, causal, documents),
-                        transfers=_transfers(layout, causal, documents))
+                        documents=documents, window=window,
+                        plan=_plan(layout, rank, causal, documents, window),
+                        transfers=_transfers(layout, causal, documents, window))
         acc = accumulation_dtype(q.dtype)
         batch, seq, q_heads, head_dim = q.shape
         q_t = q.transpose(1, 2)
@@ -383,7 +398,7 @@ class _RingAttention(torch.autograd.Function):
         _record_call(call, "backward", kv_bytes, dkv_own.numel() * dkv_own.element_size(),
                      sent_bytes)
         return (dq.transpose(1, 2).to(q.dtype), dk, dv,
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None)
 
 
 def _forward_block(call: RingCall, source: int, q_t: torch.Tensor, kv_block: torch.Tensor,
@@ -396,11 +411,10 @@ def _forward_block(call: RingCall, source: int, q_t: torch.Tensor, kv_block: tor
             q_t, kv_block[0], kv_block[1], out, lse, causal=call.causal, scale=call.scale,
             q_pos=call.positions[rank], k_pos=call.positions[source],
             q_doc=call.doc_ids[rank], k_doc=call.doc_ids[source],
-            key=BlockPairKey(layout, rank, source, documents),
+            key=BlockPairKey(layout, rank, source, documents), window=call.window,
         )
     else:
-        _forward_pieces(call.kernel, call.plan.pieces[source], q_t, kv_block, out, lse,
-                        touched, call.scale, layout, rank, source, documents, call.causal)
+        _forward_pieces(call, source, q_t, kv_block, out, lse, touched)
 
 
 def _backward_block(call: RingCall, source: int, dout_t: torch.Tensor, q_t: torch.Tensor,
@@ -415,26 +429,22 @@ def _backward_block(call: RingCall, source: int, dout_t: torch.Tensor, q_t: torc
             causal=call.causal, scale=call.scale,
             q_pos=call.positions[rank], k_pos=call.positions[source],
             q_doc=call.doc_ids[rank], k_doc=call.doc_ids[source],
-            key=BlockPairKey(layout, rank, source, documents),
+            key=BlockPairKey(layout, rank, source, documents), window=call.window,
         )
     else:
-        _backward_pieces(call.kernel, call.plan.pieces[source], dout_t, q_t, kv_block, out_t,
-                         lse, dq, dkv, call.scale, layout, rank, source, documents,
-                         call.causal)
+        _backward_pieces(call, source, dout_t, q_t, kv_block, out_t, lse, dq, dkv)
 
 
 def _forward_pieces(
-    kernel: BlockAttentionBackend, pieces: tuple[Piece, ...], q_t: torch.Tensor,
-    kv_block: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, touched: torch.Tensor,
-    scale: float, layout: Layout, rank: int, source: int, documents: Documents | None,
-    causal: bool,
+    call: RingCall, source: int, q_t: torch.Tensor, kv_block: torch.Tensor,
+    out: torch.Tensor, lse: torch.Tensor, touched: torch.Tensor,
 ) -> None:
     """One forward step through the plain backend interface: a call per planned piece."""
-    for piece in pieces:
+    for piece in call.plan.pieces[source]:
         rows, keys = slice(piece.q_start, piece.q_end), slice(piece.k_start, piece.k_end)
-        block_out, block_lse = kernel.forward(
+        block_out, block_lse = call.kernel.forward(
             q_t[:, :, rows], kv_block[0][:, :, keys], kv_block[1][:, :, keys],
-            scale=scale, **_kernel_args(piece, layout, rank, source, documents, causal),
+            scale=call.scale, **_kernel_args(piece, call, source),
         )
         # Rows not touched yet hold out 0 and lse -inf, which merge exactly; a piece whose
         # rows are all untouched is copied instead. Either way its rows are touched after.
@@ -447,20 +457,19 @@ def _forward_pieces(
 
 
 def _backward_pieces(
-    kernel: BlockAttentionBackend, pieces: tuple[Piece, ...], dout_t: torch.Tensor,
-    q_t: torch.Tensor, kv_block: torch.Tensor, out_t: torch.Tensor, lse: torch.Tensor,
-    dq: torch.Tensor, dkv_partial: torch.Tensor, scale: float, layout: Layout, rank: int,
-    block: int, documents: Documents | None, causal: bool,
+    call: RingCall, source: int, dout_t: torch.Tensor, q_t: torch.Tensor,
+    kv_block: torch.Tensor, out_t: torch.Tensor, lse: torch.Tensor, dq: torch.Tensor,
+    dkv: torch.Tensor,
 ) -> None:
     """One backward step through the plain backend interface: a call per planned piece."""
-    for piece in pieces:
+    for piece in call.plan.pieces[source]:
         rows, keys = slice(piece.q_start, piece.q_end), slice(piece.k_start, piece.k_end)
-        dq_piece, dk_piece, dv_piece = kernel.backward(
+        dq_piece, dk_piece, dv_piece = call.kernel.backward(
             dout_t[:, :, rows], q_t[:, :, rows],
             kv_block[0][:, :, keys], kv_block[1][:, :, keys],
             out_t[:, :, rows], lse[:, :, rows],
-            scale=scale, **_kernel_args(piece, layout, rank, block, documents, causal),
+            scale=call.scale, **_kernel_args(piece, call, source),
         )
         dq[:, :, rows] += dq_piece
-        dkv_partial[0][:, :, keys] += dk_piece
-        dkv_partial[1][:, :, keys] += dv_piece
+        dkv[0][:, :, keys] += dk_piece
+        dkv[1][:, :, keys] += dv_piece

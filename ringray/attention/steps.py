@@ -7,8 +7,8 @@ into rectangles of four kinds:
 - ``FULL``: every query sees every key: an unmasked kernel call.
 - ``CAUSAL``: a square whose query i sees keys 0..i (top-left aligned): the fused kernel's
   own causal mode.
-- ``MASKED``: anything else: a kernel call with an explicit position mask (only irregular
-  custom layouts produce these).
+- ``MASKED``: anything else: a kernel call with an explicit position mask (irregular
+  custom layouts, document boundaries planned by tiles and a sliding window's edge).
 - empty: no query sees any key: no call at all.
 
 For two runs of equal stride d (contiguous, zigzag halves, striped blocks), query i sees key
@@ -26,6 +26,12 @@ tiny documents, or an irregular layout), the block is planned by tiles instead
 (:func:`plan_tiles`): tiles wholly across documents or in the future are skipped, tiles
 wholly visible are ``FULL``, and only tiles that straddle a document boundary or the causal
 diagonal irregularly are ``MASKED``.
+
+A sliding window (``q_pos - k_pos <= window - 1``, causal) cuts the band from below too.
+Where a block pair's farthest query-key distance is within the window, the window changes
+nothing and the pair is planned as above; otherwise it is planned by tiles under the window
+(:func:`plan_tiles`): tiles wholly beyond the window are skipped, tiles wholly inside it are
+``FULL``, and only tiles the window's edge (or the diagonal) crosses are ``MASKED``.
 
 Everything here is pure: plain data in, frozen dataclasses out.
 """
@@ -183,40 +189,53 @@ class RankPlan:
 
 
 def plan_rank(
-    layout: Layout, rank: int, causal: bool, documents: Documents | None = None
+    layout: Layout, rank: int, causal: bool, documents: Documents | None = None,
+    window: int | None = None,
 ) -> RankPlan:
     """Plan every block pair (``rank``'s queries × each rank's keys) for one ring call;
-    with ``documents``, under the document mask."""
+    with ``documents``, under the document mask; with ``window`` (causal), a query sees
+    only keys at most ``window - 1`` positions before it."""
     if documents is not None:
-        return _plan_rank_documents(layout, rank, causal, documents)
+        return _plan_rank_documents(layout, rank, causal, documents, window)
     q_pos = layout.positions(rank)
     q_runs = layout.runs(rank) if layout.is_regular(rank) else None
     q_bounds = (int(q_pos.min()), int(q_pos.max()))
     blocks = []
     for src in range(layout.world_size):
         k_pos = layout.positions(src)
+        k_bounds = (int(k_pos.min()), int(k_pos.max()))
+        if _window_binds(window, q_bounds, k_bounds):
+            blocks.append(plan_tiles(q_pos, None, k_pos, None, causal, PLAN_TILE, window))
+            continue
         k_runs = layout.runs(src) if layout.is_regular(src) else None
         blocks.append(
-            plan_block(
-                q_runs, k_runs, len(q_pos), len(k_pos),
-                q_bounds, (int(k_pos.min()), int(k_pos.max())), causal,
-            )
+            plan_block(q_runs, k_runs, len(q_pos), len(k_pos), q_bounds, k_bounds, causal)
         )
     return RankPlan(rank=rank, pieces=tuple(blocks))
 
 
+def _window_binds(window: int | None, q_bounds: tuple[int, int],
+                  k_bounds: tuple[int, int]) -> bool:
+    """Whether some query of the block pair lies more than the window after some key."""
+    return window is not None and q_bounds[1] - k_bounds[0] > window - 1
+
+
 def _plan_rank_documents(
-    layout: Layout, rank: int, causal: bool, documents: Documents
+    layout: Layout, rank: int, causal: bool, documents: Documents, window: int | None
 ) -> RankPlan:
     q_pos = layout.positions(rank)
     q_doc = documents.ids[q_pos]
     q_segs = _segments(layout, rank, documents)
+    q_bounds = (int(q_pos.min()), int(q_pos.max()))
     blocks = []
     for src in range(layout.world_size):
         k_pos = layout.positions(src)
+        k_doc = documents.ids[k_pos]
+        if _window_binds(window, q_bounds, (int(k_pos.min()), int(k_pos.max()))):
+            blocks.append(plan_tiles(q_pos, q_doc, k_pos, k_doc, causal, PLAN_TILE, window))
+            continue
         blocks.append(plan_document_block(
-            q_segs, _segments(layout, src, documents), q_pos, q_doc, k_pos,
-            documents.ids[k_pos], causal,
+            q_segs, _segments(layout, src, documents), q_pos, q_doc, k_pos, k_doc, causal,
         ))
     return RankPlan(rank=rank, pieces=tuple(blocks))
 
@@ -282,15 +301,17 @@ def _segments(layout: Layout, rank: int, documents: Documents) -> dict[int, list
 
 
 def plan_tiles(
-    q_pos: torch.Tensor, q_doc: torch.Tensor, k_pos: torch.Tensor, k_doc: torch.Tensor,
-    causal: bool, tile: int = PLAN_TILE,
+    q_pos: torch.Tensor, q_doc: torch.Tensor | None, k_pos: torch.Tensor,
+    k_doc: torch.Tensor | None, causal: bool, tile: int = PLAN_TILE,
+    window: int | None = None,
 ) -> tuple[Piece, ...]:
     """Pieces for a block pair cut into ``tile`` × ``tile`` tiles (local indices): runs of
     ``FULL`` or ``MASKED`` tiles along a tile row become one piece, and identical pieces of
-    consecutive tile rows join; skipped tiles are no piece at all."""
+    consecutive tile rows join; skipped tiles are no piece at all. ``q_doc``/``k_doc``:
+    document indices (``None``: one document); ``window``: a sliding window."""
     runs, straddles = classify_tile_pair(tile_ranges(_int32(q_pos), _int32(q_doc), tile),
                                          tile_ranges(_int32(k_pos), _int32(k_doc), tile),
-                                         causal)
+                                         causal, window)
     kinds = (runs.long() * (2 - straddles.long())).tolist()  # 0 skip, 1 masked, 2 full
     q_len, k_len = len(q_pos), len(k_pos)
     pieces: list[Piece] = []
@@ -316,5 +337,5 @@ def plan_tiles(
     return tuple(sorted(pieces, key=lambda p: (p.q_start, p.k_start)))
 
 
-def _int32(values: torch.Tensor) -> torch.Tensor:
-    return values.to(torch.int32)
+def _int32(values: torch.Tensor | None) -> torch.Tensor | None:
+    return values.to(torch.int32) if values is not None else None

@@ -55,18 +55,20 @@ def tile_ranges(positions: torch.Tensor, documents: torch.Tensor | None,
     return TileRanges(*_min_max(positions, block), *_min_max(documents, block))
 
 
-def classify_tile_pair(q: TileRanges, k: TileRanges,
-                       causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def classify_tile_pair(q: TileRanges, k: TileRanges, causal: bool,
+                       window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(runs, straddles)``, bool ``(query tiles, key tiles)``: for every pair of a query
     tile and a key tile, from their position ranges under the causal rule ``q_pos >= k_pos``
-    when ``causal``, and from their document-index ranges when both sides have them (a query
-    sees only keys of its own document).
+    when ``causal`` and the sliding window ``q_pos - k_pos <= window - 1`` when ``window``
+    is given, and from their document-index ranges when both sides have them (a query sees
+    only keys of its own document).
 
-    ``runs`` is false when every key comes after every query, or every key lies in another
-    document than every query: the pair is empty, and the kernels never visit it.
-    ``straddles`` is true unless every query sees every key (one document on both sides
-    and, causal, every key at or before every query): then the scores need the per-token
-    mask (:func:`visible`); a pair that runs and does not straddle is computed unmasked.
+    ``runs`` is false when every key comes after every query, or lies more than the window
+    before every query, or in another document than every query: the pair is empty, and the
+    kernels never visit it. ``straddles`` is true unless every query sees every key (one
+    document on both sides, every key at or before every query when causal and within the
+    window of every query): then the scores need the per-token mask (:func:`visible`); a
+    pair that runs and does not straddle is computed unmasked.
     The step planner (:func:`ringray.attention.steps.plan_tiles`) and the Triton tile lists
     (:mod:`ringray.attention.backends.triton_tiles`) both classify with it.
     """
@@ -76,6 +78,9 @@ def classify_tile_pair(q: TileRanges, k: TileRanges,
     if causal:
         runs = k.pos_min[None, :] <= q.pos_max[:, None]
         straddles = k.pos_max[None, :] > q.pos_min[:, None]
+    if window is not None:  # the nearest pair within the window; the farthest, for all
+        runs = runs & (q.pos_min[:, None] - k.pos_max[None, :] <= window - 1)
+        straddles = straddles | (q.pos_max[:, None] - k.pos_min[None, :] > window - 1)
     if q.doc_min is not None and k.doc_min is not None:
         qd_lo, qd_hi = q.doc_min[:, None], q.doc_max[:, None]
         kd_lo, kd_hi = k.doc_min[None, :], k.doc_max[None, :]

@@ -1,12 +1,12 @@
 """Input checks for :func:`ring_attention`, done before any block is sent.
 
 Two stages. :func:`check_local` looks at this rank's arguments and raises ``ValueError``
-naming the argument. :func:`agree_across_ranks` then runs one small all-reduce (21 host
+naming the argument. :func:`agree_across_ranks` then runs one small all-reduce (23 host
 integers on the group's CPU side group, :func:`~.comm.agreement_group`: no device copy, no
 CUDA sync; 0.27 ms per call measured on gloo between two local processes) in which every
 rank reports whether its check passed (and which argument it rejected) and what it is about
-to send; if any rank failed, or the ranks disagree on shapes, dtype, layout or document
-lengths, *every* rank raises before a single K/V block moves. So a bad call raises on the
+to send; if any rank failed, or the ranks disagree on shapes, dtype, layout, document
+lengths or window, *every* rank raises before a single K/V block moves. So a bad call raises on the
 rank that made it and cannot leave the others blocked in a receive that will never complete.
 
 With Ulysses (a ring × Ulysses grid) the all-reduce runs in two stages, first over the
@@ -38,15 +38,15 @@ _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.flo
 # In the order they are reported: the first that differs names the disagreement (a
 # different ulysses degree also changes the layout: it is named first, being the cause).
 _AGREED_FIELDS = (
-    "batch", "local_seq", "q_heads", "kv_heads", "head_dim", "dtype", "causal", "ulysses",
-    "layout", "documents",
+    "batch", "local_seq", "q_heads", "kv_heads", "head_dim", "dtype", "causal", "window",
+    "ulysses", "layout", "documents",
 )
 # Fields compared by checksum: a disagreement names the field, not two meaningless numbers.
 _CHECKSUM_FIELDS = {"layout", "documents"}
 # The arguments a rank can reject, by the name its error message starts with ("name: ...");
 # the others learn which one (code = index + 1; 0: another).
 _ARGUMENTS = ("q", "k", "v", "layout", "documents", "softmax_scale", "backend", "group",
-              "ulysses_group")
+              "ulysses_group", "window")
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,7 @@ class CheckedCall:
     kernel: BlockAttentionBackend
     documents: Documents | None
     signature: tuple[int, ...]  # the values of _AGREED_FIELDS, compared across ranks
+    window: int | None = None  # None also when the window spans the whole sequence
 
 
 def check_local(
@@ -71,6 +72,7 @@ def check_local(
     backend: str,
     documents: Documents | list[int] | None = None,
     ulysses: int = 1,
+    window: int | None = None,
 ) -> CheckedCall:
     """Validate this rank's arguments; ``ValueError`` names the first bad one. ``ulysses``:
     ranks per Ulysses group (the layout then covers ``comm.world_size * ulysses`` ranks)."""
@@ -119,14 +121,31 @@ def check_local(
         if ranks == 1:
             raise
         raise ValueError(f"{exc} (local_seq {local_seq} x {ranks} ranks)") from None
+    window = check_window(window, causal, seq_len)
     resolved = make_layout(layout, ranks, seq_len, documents=docs, ulysses=ulysses)
     kernel = resolve_backend(backend, q.device, q.dtype)
     scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
     signature = (
         batch, local_seq, q_heads, kv_heads, head_dim, _DTYPE_CODES[q.dtype], int(causal),
-        ulysses, resolved.fingerprint, docs.fingerprint + 1 if docs is not None else 0,
+        window or 0, ulysses, resolved.fingerprint,
+        docs.fingerprint + 1 if docs is not None else 0,
     )
-    return CheckedCall(resolved, scale, kernel, docs, signature)
+    return CheckedCall(resolved, scale, kernel, docs, signature, window)
+
+
+def check_window(window: object, causal: bool, seq_len: int) -> int | None:
+    """A sliding window as the ring runs it: a positive integer below ``seq_len`` (a query
+    sees keys at most ``window - 1`` positions before it), or ``None`` for no window, which a
+    window of ``seq_len`` or more also is. Raises ``ValueError("window: ...")``."""
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window: expected a positive integer (keys at most window - 1 "
+                         f"positions before the query) or None, got {window!r}")
+    if not causal:
+        raise ValueError(f"window: {window} needs causal=True (a sliding window bounds how "
+                         f"far back a query looks)")
+    return window if window < seq_len else None
 
 
 def agree_across_ranks(
@@ -178,7 +197,8 @@ def agree_across_ranks(
             also = ", ulysses degree" if size > 1 or name == "ulysses" else ""
             raise ValueError(
                 f"ring_attention: ranks disagree on {name}{values}; every rank of the {where} "
-                f"must pass the same shapes, dtype, causal flag, layout{also} and documents"
+                f"must pass the same shapes, dtype, causal flag, window, layout{also} and "
+                f"documents"
             )
 
 

@@ -46,12 +46,13 @@ class BlockAttentionBackend(Protocol):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kind: PieceKind,
         scale: float, q_pos: torch.Tensor | None = None, k_pos: torch.Tensor | None = None,
         causal: bool = True, q_doc: torch.Tensor | None = None,
-        k_doc: torch.Tensor | None = None,
+        k_doc: torch.Tensor | None = None, window: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out, lse)``: out ``(B, Hq, Sq, D)``, lse ``(B, Hq, Sq)`` float32/64.
 
         A ``MASKED`` piece's mask comes from the tokens' global positions (``q_pos >= k_pos``
-        when ``causal``) and, with packed documents, their document indices (equal);
+        when ``causal``, ``q_pos - k_pos <= window - 1`` with a sliding ``window``) and,
+        with packed documents, their document indices (equal);
         :func:`~.common.position_mask` is the rule. Other kinds ignore them."""
         ...
 
@@ -60,7 +61,7 @@ class BlockAttentionBackend(Protocol):
         out: torch.Tensor, lse: torch.Tensor, *, kind: PieceKind, scale: float,
         q_pos: torch.Tensor | None = None, k_pos: torch.Tensor | None = None,
         causal: bool = True, q_doc: torch.Tensor | None = None,
-        k_doc: torch.Tensor | None = None,
+        k_doc: torch.Tensor | None = None, window: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(dq, dk, dv)`` with dk/dv at the kv-head count (mask as in :meth:`forward`)."""
         ...
@@ -71,13 +72,12 @@ class FusedStepBackend(Protocol):
     """Optional capability: one call per ring step and direction, on whole blocks.
 
     Positions are the blocks' global token positions (int32 on the tensors' device); the
-    causal rule ``q_pos >= k_pos`` is applied by the kernel, and with packed documents
-    ``q_doc``/``k_doc`` (the tokens' document indices, int32) confine attention to a
-    document. ``key`` names the block pair's tokens (:class:`~.common.BlockPairKey`) so a
-    backend may cache what it derives from them (Triton's tile lists). Accumulators are
-    float32:
-    ``out``/``dq`` ``(B, Hq, Sq, D)``, ``lse``/``delta`` ``(B, Hq, Sq)``, ``dk``/``dv``
-    ``(B, Hkv, Sk, D)``.
+    causal rule ``q_pos >= k_pos`` (and a sliding ``window``: ``q_pos - k_pos <= window -
+    1``) is applied by the kernel, and with packed documents ``q_doc``/``k_doc`` (the
+    tokens' document indices, int32) confine attention to a document. ``key`` names the
+    block pair's tokens (:class:`~.common.BlockPairKey`) so a backend may cache what it
+    derives from them (Triton's tile lists). Accumulators are float32: ``out``/``dq``
+    ``(B, Hq, Sq, D)``, ``lse``/``delta`` ``(B, Hq, Sq)``, ``dk``/``dv`` ``(B, Hkv, Sk, D)``.
     """
 
     def forward_into(
@@ -85,7 +85,7 @@ class FusedStepBackend(Protocol):
         out: torch.Tensor, lse: torch.Tensor, *, causal: bool, scale: float,
         q_pos: torch.Tensor, k_pos: torch.Tensor,
         q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None,
-        key: BlockPairKey | None = None,
+        key: BlockPairKey | None = None, window: int | None = None,
     ) -> None:
         """Merge this block's attention into ``(out, lse)`` (initially 0 / -inf) in place."""
         ...
@@ -96,7 +96,7 @@ class FusedStepBackend(Protocol):
         dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *,
         causal: bool, scale: float, q_pos: torch.Tensor, k_pos: torch.Tensor,
         q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None,
-        key: BlockPairKey | None = None,
+        key: BlockPairKey | None = None, window: int | None = None,
     ) -> None:
         """Add this block's gradients to ``dq, dk, dv``, given the final ``lse`` and
         ``delta = rowsum(dout * out)`` (:func:`~.common.softmax_delta`)."""

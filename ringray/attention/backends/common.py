@@ -39,15 +39,19 @@ def reduce_kv_heads(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
 def position_mask(
     q_pos: torch.Tensor, k_pos: torch.Tensor, device: torch.device, *,
     causal: bool = True, q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """``(Sq, Sk)`` bool: True where query may see key: ``q_pos >= k_pos`` when ``causal``,
-    and the same document when document indices are given (:mod:`ringray.attention.documents`).
+    ``q_pos - k_pos <= window - 1`` with a sliding ``window``, and the same document when
+    document indices are given (:mod:`ringray.attention.documents`).
     """
     q_pos, k_pos = q_pos.to(device), k_pos.to(device)
     if causal:
         allowed = q_pos[:, None] >= k_pos[None, :]
     else:
         allowed = torch.ones(len(q_pos), len(k_pos), dtype=torch.bool, device=device)
+    if window is not None:
+        allowed &= q_pos[:, None] - k_pos[None, :] <= window - 1
     if q_doc is not None and k_doc is not None:
         allowed &= q_doc.to(device)[:, None] == k_doc.to(device)[None, :]
     return allowed

@@ -39,18 +39,18 @@ class ReferenceBackend:
         return torch.exp(scores - finite.unsqueeze(-1)), lse
 
     def forward(self, q, k, v, *, kind, scale, q_pos=None, k_pos=None, causal=True,
-                q_doc=None, k_doc=None):
+                q_doc=None, k_doc=None, window=None):
         masking = {"q_pos": q_pos, "k_pos": k_pos, "causal": causal, "q_doc": q_doc,
-                   "k_doc": k_doc}
+                   "k_doc": k_doc, "window": window}
         probs, lse = self._probs(q, k, kind, scale, masking)
         v_full = expand_kv_heads(v, q.shape[1]).to(probs.dtype)
         return torch.matmul(probs, v_full), lse
 
     def backward(self, dout, q, k, v, out, lse, *, kind, scale, q_pos=None, k_pos=None,
-                 causal=True, q_doc=None, k_doc=None):
+                 causal=True, q_doc=None, k_doc=None, window=None):
         acc = accumulation_dtype(q.dtype)
         masking = {"q_pos": q_pos, "k_pos": k_pos, "causal": causal, "q_doc": q_doc,
-                   "k_doc": k_doc}
+                   "k_doc": k_doc, "window": window}
         probs, _ = self._probs(q, k, kind, scale, masking, lse=lse.to(acc))
         dout, out = dout.to(acc), out.to(acc)
         v_full = expand_kv_heads(v, q.shape[1]).to(acc)
@@ -66,9 +66,10 @@ class ReferenceBackend:
 
 
 def _allowed(kind, q_len, k_len, device, *, q_pos, k_pos, causal, q_doc,
-             k_doc) -> torch.Tensor | None:
+             k_doc, window) -> torch.Tensor | None:
     if kind is PieceKind.FULL:
         return None
     if kind is PieceKind.CAUSAL:
         return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril()
-    return position_mask(q_pos, k_pos, device, causal=causal, q_doc=q_doc, k_doc=k_doc)
+    return position_mask(q_pos, k_pos, device, causal=causal, q_doc=q_doc, k_doc=k_doc,
+                         window=window)

@@ -53,8 +53,8 @@ class SdpaBackend:
         return False
 
     def forward(self, q, k, v, *, kind, scale, q_pos=None, k_pos=None, causal=True,
-                q_doc=None, k_doc=None):
-        allowed = _masked(kind, q_pos, k_pos, q.device, causal, q_doc, k_doc)
+                q_doc=None, k_doc=None, window=None):
+        allowed = _masked(kind, q_pos, k_pos, q.device, causal, q_doc, k_doc, window)
         k, v = expand_kv_heads(k, q.shape[1]), expand_kv_heads(v, q.shape[1])
         if q.device.type == "cpu":
             out, lse = _cpu_forward(q, k, v, kind, scale, allowed)
@@ -68,8 +68,8 @@ class SdpaBackend:
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, *, kind, scale, q_pos=None, k_pos=None,
-                 causal=True, q_doc=None, k_doc=None):
-        allowed = _masked(kind, q_pos, k_pos, q.device, causal, q_doc, k_doc)
+                 causal=True, q_doc=None, k_doc=None, window=None):
+        allowed = _masked(kind, q_pos, k_pos, q.device, causal, q_doc, k_doc, window)
         kv_heads = k.shape[1]
         k, v = expand_kv_heads(k, q.shape[1]), expand_kv_heads(v, q.shape[1])
         # A row that saw no key (lse -inf) is fully masked: with lse 0 its probabilities are
@@ -83,11 +83,12 @@ class SdpaBackend:
 
 
 def _masked(kind: PieceKind, q_pos, k_pos, device: torch.device, causal: bool, q_doc,
-            k_doc) -> torch.Tensor | None:
+            k_doc, window: int | None) -> torch.Tensor | None:
     """The boolean mask of a MASKED piece (None for the other kinds)."""
     if kind is not PieceKind.MASKED:
         return None
-    return position_mask(q_pos, k_pos, device, causal=causal, q_doc=q_doc, k_doc=k_doc)
+    return position_mask(q_pos, k_pos, device, causal=causal, q_doc=q_doc, k_doc=k_doc,
+                         window=window)
 
 
 def _additive_mask(allowed: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

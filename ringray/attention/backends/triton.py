@@ -42,13 +42,13 @@ class TritonBackend:
         return device.type == "cuda" or (device.type == "cpu" and kernels_interpreted())
 
     def forward(self, q, k, v, *, kind, scale, q_pos=None, k_pos=None, causal=True,
-                q_doc=None, k_doc=None):
-        mask = _piece_mask(kind, q, k, q_pos, k_pos, causal, q_doc, k_doc)
+                q_doc=None, k_doc=None, window=None):
+        mask = _piece_mask(kind, q, k, q_pos, k_pos, causal, q_doc, k_doc, window)
         return block_forward(q, k, v, scale=scale, **mask)
 
     def backward(self, dout, q, k, v, out, lse, *, kind, scale, q_pos=None, k_pos=None,
-                 causal=True, q_doc=None, k_doc=None):
-        mask = _piece_mask(kind, q, k, q_pos, k_pos, causal, q_doc, k_doc)
+                 causal=True, q_doc=None, k_doc=None, window=None):
+        mask = _piece_mask(kind, q, k, q_pos, k_pos, causal, q_doc, k_doc, window)
         return block_backward(dout, q, k, v, lse.float().contiguous(), softmax_delta(dout, out),
                               scale=scale, **mask)
 
@@ -57,10 +57,10 @@ class TritonBackend:
         out: torch.Tensor, lse: torch.Tensor, *, causal: bool, scale: float,
         q_pos: torch.Tensor, k_pos: torch.Tensor,
         q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None,
-        key: BlockPairKey | None = None,
+        key: BlockPairKey | None = None, window: int | None = None,
     ) -> None:
         block_forward(q, k, v, q_pos, k_pos, causal=causal, scale=scale, q_doc=q_doc,
-                      k_doc=k_doc, out=out, lse=lse, key=key)
+                      k_doc=k_doc, out=out, lse=lse, key=key, window=window)
 
     def backward_into(
         self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -68,21 +68,22 @@ class TritonBackend:
         dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *,
         causal: bool, scale: float, q_pos: torch.Tensor, k_pos: torch.Tensor,
         q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None,
-        key: BlockPairKey | None = None,
+        key: BlockPairKey | None = None, window: int | None = None,
     ) -> None:
         block_backward(dout, q, k, v, lse, delta, q_pos, k_pos, causal=causal, scale=scale,
-                       q_doc=q_doc, k_doc=k_doc, dq=dq, dk=dk, dv=dv, key=key)
+                       q_doc=q_doc, k_doc=k_doc, dq=dq, dk=dk, dv=dv, key=key, window=window)
 
 
 def _piece_mask(kind: PieceKind, q: torch.Tensor, k: torch.Tensor,
                 q_pos: torch.Tensor | None, k_pos: torch.Tensor | None, causal: bool,
-                q_doc: torch.Tensor | None, k_doc: torch.Tensor | None) -> dict:
+                q_doc: torch.Tensor | None, k_doc: torch.Tensor | None,
+                window: int | None) -> dict:
     """The kernels' mask arguments for one planned piece: a MASKED piece's own positions
-    (and documents); a CAUSAL square top-left aligned (query i sees keys 0..i); a FULL piece
-    needs no mask."""
+    (and documents, and window); a CAUSAL square top-left aligned (query i sees keys 0..i);
+    a FULL piece needs no mask."""
     if kind is PieceKind.MASKED:
         return {"q_pos": q_pos, "k_pos": k_pos, "causal": causal, "q_doc": q_doc,
-                "k_doc": k_doc}
+                "k_doc": k_doc, "window": window}
     q_idx = torch.arange(q.shape[2], device=q.device)
     k_idx = torch.arange(k.shape[2], device=q.device)
     return {"q_pos": q_idx, "k_pos": k_idx, "causal": kind is PieceKind.CAUSAL}

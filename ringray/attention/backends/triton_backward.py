@@ -54,9 +54,9 @@ from ringray.attention.backends.triton_tiles import step_tokens
 @triton.jit
 def _query_tile_grads(
     dk, dv, k, v, k_pos, k_doc, col_ok, tile_m, Q_H, DO_H, LSE_H, DELTA_H, DQ_H, QPOS, QDOC,
-    sqs, sqd, sdos, sdod, sls, sdls, sdqs, sdqd, sq, dims, dim_ok, scale, scale_log2,
+    sqs, sqd, sdos, sdod, sls, sdls, sdqs, sdqd, sq, dims, dim_ok, scale, scale_log2, window,
     MASKED: tl.constexpr, MASKING: tl.constexpr, CAUSAL: tl.constexpr, DOCS: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    WINDOW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """One (query tile, key tile) pair: returns ``(dk, dv)`` with its shares added and adds
     its dQ share to ``DQ_H`` (the query head's float32 dQ) atomically. ``Q_H``... point at
@@ -81,7 +81,7 @@ def _query_tile_grads(
         if MASKING:
             q_pos, q_doc = load_tokens(QPOS, QDOC, rows, row_ok, -1, CAUSAL, DOCS)
             allowed = allowed & visible(q_pos[None, :], k_pos[:, None], q_doc[None, :],
-                                        k_doc[:, None], CAUSAL, DOCS)
+                                        k_doc[:, None], window, CAUSAL, DOCS, WINDOW)
         s_t = tl.where(allowed, s_t, float("-inf"))
     p_t = tl.exp2(s_t - lse_log2[None, :])
     dv = mma(p_t.to(do.dtype), do, dv, UPCAST, PRECISION)
@@ -102,8 +102,8 @@ def _backward_kernel(
     sqb, sqh, sqs, sqd, skb, skh, sks, skd, svb, svh, svs, svd,
     sdob, sdoh, sdos, sdod, slb, slh, sls, sdlb, sdlh, sdls,
     sdqb, sdqh, sdqs, sdqd, sdkb, sdkh, sdks, sdkd, sdvb, sdvh, sdvs, sdvd,
-    kv_heads, group, sq, sk, list_width, scale, scale_log2,
-    CAUSAL: tl.constexpr, DOCS: tl.constexpr, MASKING: tl.constexpr,
+    kv_heads, group, sq, sk, list_width, scale, scale_log2, window,
+    CAUSAL: tl.constexpr, DOCS: tl.constexpr, WINDOW: tl.constexpr, MASKING: tl.constexpr,
     COUNT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
@@ -150,7 +150,8 @@ def _backward_kernel(
             dk, dv = _query_tile_grads(
                 dk, dv, k, v, k_pos, k_doc, col_ok, tile_m, q_h, do_h, lse_h, delta_h, dq_h,
                 QPOS, QDOC, sqs, sqd, sdos, sdod, sls, sdls, sdqs, sdqd, sq, dims, dim_ok,
-                scale, scale_log2, False, MASKING, CAUSAL, DOCS, UPCAST, PRECISION, BLOCK_M)
+                scale, scale_log2, window, False, MASKING, CAUSAL, DOCS, WINDOW, UPCAST,
+                PRECISION, BLOCK_M)
             if COUNT:
                 visited_full += 1
         # Then the straddling ones, masked per token (and every pair of a short key tile).
@@ -161,7 +162,8 @@ def _backward_kernel(
             dk, dv = _query_tile_grads(
                 dk, dv, k, v, k_pos, k_doc, col_ok, tile_m, q_h, do_h, lse_h, delta_h, dq_h,
                 QPOS, QDOC, sqs, sqd, sdos, sdod, sls, sdls, sdqs, sdqd, sq, dims, dim_ok,
-                scale, scale_log2, True, MASKING, CAUSAL, DOCS, UPCAST, PRECISION, BLOCK_M)
+                scale, scale_log2, window, True, MASKING, CAUSAL, DOCS, WINDOW, UPCAST,
+                PRECISION, BLOCK_M)
             if COUNT:
                 visited_masked += 1
     dk_ptrs = DK + b * sdkb + kv_h * sdkh + cols[:, None] * sdks + dims[None, :] * sdkd
@@ -181,11 +183,13 @@ def block_backward(
     dq: torch.Tensor | None = None, dk: torch.Tensor | None = None,
     dv: torch.Tensor | None = None, key: BlockPairKey | None = None,
     config: TileConfig | None = None, visits: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Add this K/V block's ``(dq, dk, dv)`` to float32 accumulators (zeros if not given).
 
-    ``q_doc``/``k_doc`` (both or neither) are the tokens' document indices, and ``key``
-    names the tokens for the tile-list cache, as in :func:`~.triton_forward.block_forward`.
+    ``q_doc``/``k_doc`` (both or neither) are the tokens' document indices, ``window`` a
+    sliding window, and ``key`` names the tokens for the tile-list cache, as in
+    :func:`~.triton_forward.block_forward`.
     ``config`` overrides the table's launch shape (``block_m`` queries per inner step,
     ``block_n`` keys per program). ``visits`` (int32, two elements) counts the (query tile,
     key tile) pairs computed, once per query head, ``[full, straddling]``.
@@ -198,7 +202,7 @@ def block_backward(
     dv = dv if dv is not None else torch.zeros(batch, kv_heads, sk, head_dim, **f32)
     launch = backward_launch(dout, q, k, v, lse, delta, q_pos, k_pos, dq, dk, dv,
                              causal=causal, scale=scale, q_doc=q_doc, k_doc=k_doc, key=key,
-                             config=config, visits=visits)
+                             config=config, visits=visits, window=window)
     _backward_kernel[launch.grid](*launch.args, **launch.kwargs)
     return dq, dk, dv
 
@@ -208,7 +212,7 @@ def backward_launch(
     lse: torch.Tensor, delta: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
     dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *, causal: bool, scale: float,
     q_doc: torch.Tensor | None, k_doc: torch.Tensor | None, key: BlockPairKey | None,
-    config: TileConfig | None, visits: torch.Tensor | None,
+    config: TileConfig | None, visits: torch.Tensor | None, window: int | None = None,
 ) -> KernelLaunch:
     """The backward kernel's launch for :func:`block_backward`'s arguments (accumulators
     allocated), transposed tile lists included."""
@@ -216,7 +220,7 @@ def backward_launch(
     kv_heads, sk = k.shape[1], k.shape[2]
     cfg = config or kernel_configs(head_dim, q.dtype, q.device).backward
     t = step_tokens(q_pos, k_pos, q_doc, k_doc, q.device, causal=causal, block_m=cfg.block_m,
-                    block_n=cfg.block_n, by_key=True, key=key)
+                    block_n=cfg.block_n, by_key=True, key=key, window=window)
     counter = visits if visits is not None else t.q_pos  # never written unless counting
     upcast, precision = dot_mode(q.dtype, q.device)
     return KernelLaunch(
@@ -225,8 +229,9 @@ def backward_launch(
               t.counts, t.indices, counter, *q.stride(), *k.stride(), *v.stride(),
               *dout.stride(), *lse.stride(), *delta.stride(), *dq.stride(), *dk.stride(),
               *dv.stride(), kv_heads, q_heads // kv_heads, sq, sk, t.width, scale,
-              scale * LOG2E),
-        kwargs={"CAUSAL": causal, "DOCS": t.docs, "MASKING": t.masking,
+              scale * LOG2E, window or 0),
+        kwargs={"CAUSAL": causal, "DOCS": t.docs, "WINDOW": window is not None,
+                "MASKING": t.masking,
                 "COUNT": visits is not None, "UPCAST": upcast, "PRECISION": precision,
                 "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
                 "BLOCK_D": padded_head_dim(head_dim), "HEAD_DIM": head_dim,

@@ -2,7 +2,8 @@
 
 - :func:`mma`: the one matrix multiply both kernels use, ``acc + a @ b`` in float32.
 - :func:`load_tokens` and :func:`visible`: the per-token mask of a straddling tile pair
-  (``q_pos >= k_pos`` when causal, equal document indices with documents).
+  (``q_pos >= k_pos`` when causal, within a sliding window, equal document indices with
+  documents).
 - :func:`dot_mode`: how ``mma`` multiplies for a dtype on a device (see below).
 - :class:`KernelLaunch`: one launch's grid and arguments, built apart from running it (so
   that :mod:`.triton_inspect` can compile exactly what would run).
@@ -60,11 +61,15 @@ def load_tokens(POS, DOC, idx, ok, other, CAUSAL: tl.constexpr, DOCS: tl.constex
 
 
 @triton.jit
-def visible(q_pos, k_pos, q_doc, k_doc, CAUSAL: tl.constexpr, DOCS: tl.constexpr):
-    """Where a query sees a key (broadcast operands): ``q_pos >= k_pos`` when ``CAUSAL`` and
-    ``q_doc == k_doc`` when ``DOCS`` (at least one of them is set)."""
+def visible(q_pos, k_pos, q_doc, k_doc, window, CAUSAL: tl.constexpr, DOCS: tl.constexpr,
+            WINDOW: tl.constexpr):
+    """Where a query sees a key (broadcast operands): ``q_pos >= k_pos`` when ``CAUSAL``,
+    ``q_pos - k_pos < window`` when ``WINDOW`` (set only with ``CAUSAL``) and ``q_doc ==
+    k_doc`` when ``DOCS`` (at least one of ``CAUSAL`` and ``DOCS`` is set)."""
     if CAUSAL:
         ok = q_pos >= k_pos
+        if WINDOW:
+            ok = ok & (q_pos - k_pos < window)
         if DOCS:
             ok = ok & (q_doc == k_doc)
     else:

@@ -54,8 +54,9 @@ from ringray.attention.backends.triton_tiles import step_tokens
 @triton.jit
 def _attend_key_tile(
     acc, l_i, m_i, q, q_pos, q_doc, K_TILE0, V_TILE0, KPOS, KDOC, tile_n, sk, sks, svs, dim_ok,
-    scale_log2, MASKED: tl.constexpr, MASKING: tl.constexpr, CAUSAL: tl.constexpr,
-    DOCS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+    scale_log2, window, MASKED: tl.constexpr, MASKING: tl.constexpr, CAUSAL: tl.constexpr,
+    DOCS: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """One online-softmax step of a query tile over key tile ``tile_n``: ``(acc, l, m)``.
     ``K_TILE0``/``V_TILE0`` point at key tile 0 (K as ``(d, BLOCK_N)``, V as ``(BLOCK_N, d)``).
@@ -76,7 +77,7 @@ def _attend_key_tile(
         if MASKING:
             k_pos, k_doc = load_tokens(KPOS, KDOC, cols, col_ok, 0, CAUSAL, DOCS)
             allowed = allowed & visible(q_pos[:, None], k_pos[None, :], q_doc[:, None],
-                                        k_doc[None, :], CAUSAL, DOCS)
+                                        k_doc[None, :], window, CAUSAL, DOCS, WINDOW)
         scores = tl.where(allowed, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet
@@ -99,8 +100,8 @@ def _forward_kernel(
     Q, K, V, QPOS, KPOS, QDOC, KDOC, COUNTS, INDICES, OUT, LSE, VISITS,
     sqb, sqh, sqs, sqd, skb, skh, sks, skd, svb, svh, svs, svd,
     sob, soh, sos, sod, slb, slh, sls,
-    q_heads, group, sq, sk, list_width, scale_log2,
-    CAUSAL: tl.constexpr, DOCS: tl.constexpr, MASKING: tl.constexpr,
+    q_heads, group, sq, sk, list_width, scale_log2, window,
+    CAUSAL: tl.constexpr, DOCS: tl.constexpr, WINDOW: tl.constexpr, MASKING: tl.constexpr,
     MERGE: tl.constexpr, COUNT: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -143,7 +144,8 @@ def _forward_kernel(
             tile_n = tl.load(row + slot)
         acc, l_i, m_i = _attend_key_tile(
             acc, l_i, m_i, q, q_pos, q_doc, k_tile0, v_tile0, KPOS, KDOC, tile_n, sk, sks, svs,
-            dim_ok, scale_log2, False, MASKING, CAUSAL, DOCS, UPCAST, PRECISION, BLOCK_N)
+            dim_ok, scale_log2, window, False, MASKING, CAUSAL, DOCS, WINDOW, UPCAST, PRECISION,
+            BLOCK_N)
         if COUNT:
             visited_full += 1
     # Then the straddling ones (and the block's short last tile), masked per token.
@@ -153,7 +155,8 @@ def _forward_kernel(
             tile_n = tl.load(row + slot)
         acc, l_i, m_i = _attend_key_tile(
             acc, l_i, m_i, q, q_pos, q_doc, k_tile0, v_tile0, KPOS, KDOC, tile_n, sk, sks, svs,
-            dim_ok, scale_log2, True, MASKING, CAUSAL, DOCS, UPCAST, PRECISION, BLOCK_N)
+            dim_ok, scale_log2, window, True, MASKING, CAUSAL, DOCS, WINDOW, UPCAST, PRECISION,
+            BLOCK_N)
         if COUNT:
             visited_masked += 1
     seen = l_i > 0
@@ -192,11 +195,13 @@ def block_forward(
     out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
     key: BlockPairKey | None = None,
     config: TileConfig | None = None, visits: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` over one K/V block; merged into ``out``/``lse`` when given.
 
     ``q_doc``/``k_doc`` (both or neither) are the tokens' document indices: a query sees
-    only keys of its own document. ``key`` names the tokens (:class:`~.triton_tiles.
+    only keys of its own document. ``window`` (with ``causal``): a query sees only keys at
+    most ``window - 1`` positions before it. ``key`` names the tokens (:class:`~.triton_tiles.
     BlockPairKey`) so that the tile lists are built once and then reused. ``config``
     overrides the launch shape from :func:`~.triton_config.kernel_configs`.
     ``visits`` (int32, two elements) counts the (query tile, key tile) pairs the kernel
@@ -211,7 +216,7 @@ def block_forward(
         lse = torch.empty(batch, q_heads, sq, dtype=torch.float32, device=q.device)
     launch = forward_launch(q, k, v, q_pos, k_pos, out, lse, causal=causal, scale=scale,
                             q_doc=q_doc, k_doc=k_doc, merge=merge, key=key, config=config,
-                            visits=visits)
+                            visits=visits, window=window)
     _forward_kernel[launch.grid](*launch.args, **launch.kwargs)
     return out, lse
 
@@ -221,6 +226,7 @@ def forward_launch(
     k_pos: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *, causal: bool, scale: float,
     q_doc: torch.Tensor | None, k_doc: torch.Tensor | None, merge: bool,
     key: BlockPairKey | None, config: TileConfig | None, visits: torch.Tensor | None,
+    window: int | None = None,
 ) -> KernelLaunch:
     """The forward kernel's launch for :func:`block_forward`'s arguments (``out``/``lse``
     allocated; ``merge``: whether they hold earlier results), tile lists included."""
@@ -228,15 +234,16 @@ def forward_launch(
     kv_heads, sk = k.shape[1], k.shape[2]
     cfg = config or kernel_configs(head_dim, q.dtype, q.device).forward
     t = step_tokens(q_pos, k_pos, q_doc, k_doc, q.device, causal=causal, block_m=cfg.block_m,
-                    block_n=cfg.block_n, by_key=False, key=key)
+                    block_n=cfg.block_n, by_key=False, key=key, window=window)
     counter = visits if visits is not None else t.q_pos  # never written unless counting
     upcast, precision = dot_mode(q.dtype, q.device)
     return KernelLaunch(
         grid=(triton.cdiv(sq, cfg.block_m), batch * q_heads),
         args=(q, k, v, t.q_pos, t.k_pos, t.q_doc, t.k_doc, t.counts, t.indices, out, lse,
               counter, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
-              q_heads, q_heads // kv_heads, sq, sk, t.width, scale * LOG2E),
-        kwargs={"CAUSAL": causal, "DOCS": t.docs, "MASKING": t.masking, "MERGE": merge,
+              q_heads, q_heads // kv_heads, sq, sk, t.width, scale * LOG2E, window or 0),
+        kwargs={"CAUSAL": causal, "DOCS": t.docs, "WINDOW": window is not None,
+                "MASKING": t.masking, "MERGE": merge,
                 "COUNT": visits is not None, "UPCAST": upcast, "PRECISION": precision,
                 "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
                 "BLOCK_D": padded_head_dim(head_dim), "HEAD_DIM": head_dim,

@@ -110,13 +110,14 @@ TILE_LISTS = TileListCache(max_entries=256, max_bytes=512 * 2**20)
 def build_tile_lists(
     q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | None,
     k_doc: torch.Tensor | None, *, causal: bool, block_m: int, block_n: int, by_key: bool,
+    window: int | None = None,
 ) -> TileLists:
     """:class:`TileLists` of a block pair from its int32 device positions (and document
     indices), in ``block_m``-query × ``block_n``-key tiles: per query tile, or per key tile
-    when ``by_key``."""
+    when ``by_key``; ``window``: a sliding window."""
     q_tiles = tile_ranges(q_pos, q_doc, block_m)
     k_tiles = tile_ranges(k_pos, k_doc, block_n)
-    runs, straddles = classify_tile_pair(q_tiles, k_tiles, causal)
+    runs, straddles = classify_tile_pair(q_tiles, k_tiles, causal, window)
     if k_pos.numel() % block_n:  # the last key tile's padding keys must be masked
         straddles = straddles.clone()
         straddles[:, -1] = True
@@ -135,16 +136,17 @@ def tile_lists(
     q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | None,
     k_doc: torch.Tensor | None, *, causal: bool, block_m: int, block_n: int, by_key: bool,
     key: BlockPairKey | None = None, cache: TileListCache = TILE_LISTS,
+    window: int | None = None,
 ) -> TileLists:
     """:func:`build_tile_lists`, through ``cache`` when ``key`` names the tokens."""
 
     def build() -> TileLists:
         return build_tile_lists(q_pos, k_pos, q_doc, k_doc, causal=causal, block_m=block_m,
-                                block_n=block_n, by_key=by_key)
+                                block_n=block_n, by_key=by_key, window=window)
 
     if key is None:
         return build()
-    return cache.get((key, causal, block_m, block_n, by_key, q_pos.device), build)
+    return cache.get((key, causal, window, block_m, block_n, by_key, q_pos.device), build)
 
 
 @dataclass(frozen=True)
@@ -168,7 +170,7 @@ class StepTokens:
 def step_tokens(
     q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | None,
     k_doc: torch.Tensor | None, device: torch.device, *, causal: bool, block_m: int,
-    block_n: int, by_key: bool, key: BlockPairKey | None,
+    block_n: int, by_key: bool, key: BlockPairKey | None, window: int | None = None,
 ) -> StepTokens:
     """The forward's (``by_key=False``) or the backward's (``by_key=True``) view of a block
     pair's tokens, for tiles of ``block_m`` queries × ``block_n`` keys."""
@@ -180,7 +182,8 @@ def step_tokens(
     if not masking:
         return StepTokens(q_pos, k_pos, q_doc, k_doc, q_pos, q_pos, 0, docs, masking)
     lists = tile_lists(q_pos, k_pos, q_doc if docs else None, k_doc if docs else None,
-                       causal=causal, block_m=block_m, block_n=block_n, by_key=by_key, key=key)
+                       causal=causal, block_m=block_m, block_n=block_n, by_key=by_key, key=key,
+                       window=window)
     return StepTokens(q_pos, k_pos, q_doc, k_doc, lists.counts, lists.indices, lists.width,
                       docs, masking)
 
