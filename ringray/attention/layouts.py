@@ -409,18 +409,20 @@ def block_work(
     docs = check_documents(documents, layout.seq_len) or Documents((layout.seq_len,))
     first = torch.tensor(docs.bounds[:-1])[docs.ids]  # each position's document start
     last = torch.tensor(docs.bounds[1:])[docs.ids] - 1
+    # below[s, p]: how many of rank s's positions are below p, so rank s holds
+    # below[s, hi + 1] - below[s, lo] of the keys lo..hi.
+    owner = torch.empty(layout.seq_len, dtype=torch.int64)
+    for s in range(layout.world_size):
+        owner[layout.positions(s)] = s
+    held = torch.nn.functional.one_hot(owner, layout.world_size).t()
+    below = torch.nn.functional.pad(held.cumsum(1), (1, 0))
     matrix = []
     for r in range(layout.world_size):
         q_pos = layout.positions(r)
         lo, hi = first[q_pos], q_pos if causal else last[q_pos]  # visible keys: lo..hi
         if window is not None:
             lo = torch.maximum(lo, q_pos - (window - 1))
-        row = []
-        for s in range(layout.world_size):
-            keys = layout.positions(s).sort().values
-            seen = torch.searchsorted(keys, hi, right=True) - torch.searchsorted(keys, lo)
-            row.append(int(seen.sum()))
-        matrix.append(row)
+        matrix.append((below[:, hi + 1] - below[:, lo]).sum(1).tolist())
     return matrix
 
 

@@ -122,9 +122,25 @@ class TransferPlan:
     def _round(self, index: int) -> tuple[Pair, ...]:
         return self.rounds[index - 1] if 1 <= index <= len(self.rounds) else ()
 
+    @cached_property
+    def _steps(self) -> dict[tuple[str, int], tuple[Step, ...]]:
+        """Every rank's steps, built once per plan (a ring call asks for them every time)."""
+        return {(phase, rank): build(rank) for rank in range(self.world_size)
+                for phase, build in (("forward", self._forward_steps),
+                                     ("backward", self._backward_steps))}
+
     def forward_steps(self, rank: int) -> tuple[Step, ...]:
         """``rank``'s forward: its own block first, then each received block, one step
         after the round that brought it."""
+        return self._steps["forward", rank]
+
+    def backward_steps(self, rank: int) -> tuple[Step, ...]:
+        """``rank``'s backward: rounds in reverse, ending with its own block. Backward
+        round u computes the block received in forward round u (round 0: the own block) and
+        carries round u - 1's K/V blocks and round u + 1's dK/dV sums."""
+        return self._steps["backward", rank]
+
+    def _forward_steps(self, rank: int) -> tuple[Step, ...]:
         exchanges = []
         for index in range(1, len(self.rounds) + 1):
             kv_from = self._received_in[rank].get(index)
@@ -139,10 +155,7 @@ class TransferPlan:
             steps.append(Step(None, block))
         return tuple(steps)
 
-    def backward_steps(self, rank: int) -> tuple[Step, ...]:
-        """``rank``'s backward: rounds in reverse, ending with its own block. Backward
-        round u computes the block received in forward round u (round 0: the own block) and
-        carries round u - 1's K/V blocks and round u + 1's dK/dV sums."""
+    def _backward_steps(self, rank: int) -> tuple[Step, ...]:
         last = {r: self.last_received(r) for r in range(self.world_size)}
         steps = []
         for index in range(len(self.rounds), -1, -1):
