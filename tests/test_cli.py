@@ -24,13 +24,18 @@ def test_bench_ring_json_has_one_object_per_layout():
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout)
     assert [r["layout"] for r in rows] == ["zigzag", "contiguous"]
-    # What a rank sends: its K/V block (256 tokens x 2 kv heads x 32 dims, float32, k and v)
-    # once forward, then once backward with its float32 dK/dV sums: 3 blocks on a ring of 2.
+    # What a rank sends on a ring of 2: a K/V block (256 tokens x 2 kv heads x 32 dims,
+    # float32, k and v) to each rank that reads it, and the float32 dK/dV sums of each block
+    # it read back to the block's owner (the backward keeps the block it received last, so
+    # sends none again). Zigzag: each rank reads the other's block: 2 blocks each. Contiguous
+    # (causal): rank 0 reads nothing of rank 1, so rank 0 sends its block and rank 1 its
+    # dK/dV sums: 1 block at most.
     kv_block_bytes = 256 * 2 * 32 * 4 * 2
+    blocks = {"zigzag": 2, "contiguous": 1}
     for row in rows:
         assert KEYS <= row.keys()
         assert_summary_follows_from_the_ranks(row, ranks=2)
-        assert row["bytes_sent_per_rank"] == 3 * kv_block_bytes
+        assert row["bytes_sent_per_rank"] == blocks[row["layout"]] * kv_block_bytes
         # The exposed time splits into transfer not hidden and peer wait; overlap in [0, 1].
         assert 0.0 <= row["overlap_ratio"] <= 1.0
         for exposed, not_hidden, wait, alone in zip(

@@ -118,7 +118,7 @@ class LayoutResult:
     work_efficiency: float
     step_imbalance_theoretical: float
     single_process_seconds: float
-    bytes_sent_per_rank: int
+    bytes_sent_per_rank: int  # the most any rank sent (ranks differ once masks skip sends)
     ulysses: int = 1
     ring_size: int = 0  # R: world / ulysses
     a2a_seconds: list[float] | None = None  # per rank, forward + backward
@@ -249,7 +249,7 @@ def summarize(cfg: RingBenchConfig, per_rank: list[dict]) -> list[LayoutResult]:
                 work_efficiency=sum(compute) / single,
                 step_imbalance_theoretical=step_imbalance(pairs),
                 single_process_seconds=single,
-                bytes_sent_per_rank=ranks[0].bytes_sent,
+                bytes_sent_per_rank=max(r.bytes_sent for r in ranks),
                 ulysses=cfg.ulysses,
                 ring_size=cfg.world // cfg.ulysses,
                 a2a_seconds=a2a,
