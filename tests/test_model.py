@@ -439,8 +439,8 @@ def test_model_config_errors_name_the_field(kwargs: dict, pattern: str) -> None:
 
 
 def test_unknown_preset_lists_the_valid_ones() -> None:
-    with pytest.raises(ValueError, match=r"'huge' is unknown; valid: \['1b', '8b', 'debug', "
-                       r"'small'\]"):
+    with pytest.raises(ValueError, match=r"'huge' is unknown; valid: \['1b', '70b', '8b', "
+                       r"'debug', 'small'\]"):
         model_preset("huge")
 
 
