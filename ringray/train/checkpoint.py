@@ -77,12 +77,12 @@ from ringray.train.checkpoint_errors import (
     load_error,
     root_cause,
 )
+from ringray.train.checkpoint_ref import LEGACY_LINEAGE, CheckpointRef
 from ringray.train.checksums import ChecksummingFileSystem, FileChecksum, file_checksum
 from ringray.train.collective import distributed, is_rank0, on_rank0
 
 COMPLETE_MARKER = "ringray-complete.json"
 MARKER_FORMAT = 3  # 3: "crc32c" per file; 2: sizes only ("files"); 1: no lineage
-LEGACY_LINEAGE = "legacy"  # checkpoints committed before lineages (marker format 1)
 UNKNOWN_LINEAGE = "unknown"  # a damaged checkpoint's: its marker cannot be read
 _DIR = re.compile(r"^step_(\d{8})(?:-([0-9a-f]{8}))?(\.partial)?$")
 # The errors live in checkpoint_errors; they are importable from here too.
@@ -97,16 +97,6 @@ __all__ = [
 
 class LocationInUse(ValueError):
     """``checkpoint.resume`` is off but the location already holds another run's checkpoints."""
-
-
-@dataclass(frozen=True)
-class CheckpointRef:
-    """One committed checkpoint."""
-
-    step: int
-    location: str  # its directory (path or URL)
-    lineage: str = LEGACY_LINEAGE  # the run it belongs to
-    committed_unix: float = 0.0
 
 
 def _is_url(location: str) -> bool:

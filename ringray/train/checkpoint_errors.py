@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import errno
 import re
-from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-if TYPE_CHECKING:
-    from ringray.train.checkpoint import CheckpointRef
+from ringray.train.checkpoint_ref import CheckpointRef
 
 # Errors no retry can fix: the store is full, read-only, or not ours to write.
 # What each says about checkpoint.path, and what to do.

@@ -63,7 +63,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch.distributed import ReduceOp
@@ -73,8 +73,21 @@ from torch.utils._pytree import tree_map
 from ringray.train.sharding import local_tensor
 from ringray.train.step_stats import StepStats
 
-if TYPE_CHECKING:
-    from ringray.train.trainer import Trainer
+
+class Trainer(Protocol):
+    """What a replica group's link uses of :class:`ringray.train.trainer.Trainer` (a protocol,
+    so this module, which the trainer imports, does not import it back)."""
+
+    options: Any
+    mesh: Any
+    model: torch.nn.Module
+    loader: Any
+    device: torch.device
+    step_count: int
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
 
 REPLICA_ID_PREFIX = "ringray_replica_"
 """A group's torchft replica id is this prefix and its index (torchft reads the trailing
