@@ -14,6 +14,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from allocations import allocation_events
 from typer.testing import CliRunner
 
 from ringray.attention import make_layout
@@ -237,7 +238,6 @@ def _live_after_forward_bytes(model: Transformer, seq: int, *, autocast: bool) -
     the forward leaves for the backward, whatever keeps it (autograd's saved tensors, the
     checkpoints' inputs, the logits). From the profiler's running total of allocated bytes
     (see ringray/bench/memory.py)."""
-    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
     ring = RingContext(layout=make_layout("zigzag", 1, seq), backend="sdpa")
@@ -245,14 +245,7 @@ def _live_after_forward_bytes(model: Transformer, seq: int, *, autocast: bool) -
         tokens, labels = torch.randint(0, 256, (1, seq)), torch.randint(0, 256, (1, seq))
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             loss = model(tokens, ring, labels=labels)  # the trainer's loss
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        stack.extend(node.children)
-        if node.typed[0] == _EventType.Allocation:
-            events.append((node.start_time_ns, node.typed[1].alloc_size,
-                           node.typed[1].total_allocated))
-    events.sort()
+    events = allocation_events(prof)
     (_, first_size, first_total), (_, _, last_total) = events[0], events[-1]
     del loss
     return last_total - (first_total - first_size)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from allocations import allocation_events
 from distributed import run_gloo_ranks
 from train_cases import changed, gradients, record_steps, snapshot, tiny_options
 
@@ -92,19 +93,11 @@ def test_model_loss_equals_cross_entropy_of_its_logits(mode: str) -> None:
 def _peak_allocated_bytes(fn) -> int:
     """The most bytes torch's CPU allocator held at once while ``fn()`` ran, above what it
     held before."""
-    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        stack.extend(node.children)
-        if node.typed[0] == _EventType.Allocation:
-            events.append((node.start_time_ns, node.typed[1].alloc_size,
-                           node.typed[1].total_allocated))
-    events.sort()
+    events = allocation_events(prof)
     _, first_size, first_total = events[0]
     return max(total for _, _, total in events) - (first_total - first_size)
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from allocations import allocation_events
 from distributed import run_gloo_ranks
 from hf_cases import save_hf_case
 
@@ -81,19 +82,11 @@ def test_replicated_rows_are_the_whole_parameter() -> None:
 def _torch_peak_bytes(fn) -> tuple[object, int]:
     """``fn()`` and the most bytes torch's CPU allocator held at once while it ran, above
     what it held before."""
-    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        stack.extend(node.children)
-        if node.typed[0] == _EventType.Allocation:
-            events.append((node.start_time_ns, node.typed[1].alloc_size,
-                           node.typed[1].total_allocated))
-    events.sort()
+    events = allocation_events(prof)
     _, first_size, first_total = events[0]
     return result, max(total for _, _, total in events) - (first_total - first_size)
 
