@@ -8,7 +8,8 @@ fp32 take the same time), and float32 per-block partials keep the ring's merge e
 
 On CUDA it calls the flash kernel for float16/bfloat16 full and causal pieces, and the
 memory-efficient kernel (which takes a bias and float32) otherwise, with the bias and the LSE
-laid out as public SDPA lays them out (expanded, rows padded to 16; LSE padded to 32). The
+laid out as public SDPA lays them out (expanded, rows padded to 16; LSE padded to 32); a masked
+half-precision piece's backward runs that kernel in float32 (its half backward was wrong). The
 CUDA path needs a GPU to be exercised; its tests are marked ``gpu``.
 
 Causal squares on CPU are cut into a quadtree (two causal halves and one full block,
@@ -223,16 +224,22 @@ def _cuda_backward(dout, q, k, v, out, lse, kind, scale, allowed):
     out = out.to(q.dtype)
     dout = dout.to(q.dtype)
     no_rng = torch.empty((), dtype=torch.int64, device=q.device)
+    # None passes an undefined tensor, as autograd does: the kernels read a *defined* empty
+    # cum_seq as a variable-length batch ("batch size must be positive") and a defined empty
+    # bias as a malformed one ("Bias expected in BMHK format"), seen on an H200 (torch 2.11).
     if _use_flash(q, allowed):
-        empty_cum = torch.empty(0, dtype=torch.int32, device=q.device)
         return _aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, empty_cum, empty_cum, q.shape[2], k.shape[2],
+            dout, q, k, v, out, lse, None, None, q.shape[2], k.shape[2],
             0.0, causal, no_rng, no_rng, scale=scale,
         )
-    bias = _cuda_bias(allowed, q, k)
+    # A masked piece in half precision is differentiated in float32: the efficient kernel's
+    # half backward with a bias gave wrong dQ/dK on an H200 (torch 2.11; dV right, dQ off by
+    # up to 2.0 where public SDPA was right), and its float32 backward matched float64. The
+    # masked pieces are the rare irregular ones; full and causal pieces keep the flash kernel.
+    work = torch.float32 if q.dtype in _HALF else q.dtype
+    dout, q32, k, v, out = (t.to(work) for t in (dout, q, k, v, out))
     grads = _aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, k, v, bias if bias is not None else torch.empty(0, device=q.device),
-        out, _padded_lse(lse), no_rng, no_rng, 0.0, [True, True, True, False], causal,
-        scale=scale,
+        dout, q32, k, v, _cuda_bias(allowed, q32, k), out, _padded_lse(lse), no_rng, no_rng,
+        0.0, [True, True, True, False], causal, scale=scale,
     )
-    return grads[0], grads[1], grads[2]
+    return tuple(g.to(q.dtype) for g in grads[:3])
