@@ -25,7 +25,8 @@ through 32 queries at a time, as in Triton's fused-attention tutorial and flash-
 for sm_90a without a GPU (:mod:`.triton_inspect`, Triton 3.9): every entry pipelines both
 loops of its kernel and fits in shared memory, and the entries that spilled registers there
 were changed for ones that do not (float32 now gets its own, 8-warp entries), except where
-noted below. None has been timed by this project yet: no GPU was available. Interpreter
+noted below. The head_dim 64 and 128 half entries were then replaced by the fastest of a
+sweep on an H200 (2026-11-25, ``benchmarks/RESULTS.md``); the rest are untimed. Interpreter
 runs (CPU) use 32 × 32 tiles: big enough to exercise multi-tile loops on small test blocks,
 small enough to keep numpy's work per program low.
 """
@@ -63,9 +64,13 @@ class KernelConfigs:
 CUDA_TABLE: dict[tuple[int, str], KernelConfigs] = {
     (16, "half"): KernelConfigs(TileConfig(128, 64, 4, 3), TileConfig(32, 128, 4, 4)),
     (32, "half"): KernelConfigs(TileConfig(128, 64, 4, 3), TileConfig(32, 128, 4, 4)),
-    (64, "half"): KernelConfigs(TileConfig(128, 64, 4, 4), TileConfig(32, 128, 8, 3)),
-    # backward: 92 bytes of spill stores; the 16- and 64-query variants spill more.
-    (128, "half"): KernelConfigs(TileConfig(128, 64, 8, 3), TileConfig(32, 128, 8, 3)),
+    # head_dim 64 and 128: the fastest of `ringray bench kernel --sweep` on an H200 (16k
+    # tokens, causal, bf16; benchmarks/RESULTS.md). Against the starting points (128x64 with
+    # 4 and 3 stages forward, 32x128x8x3 backward): forward 12% and 14% faster, backward 1.46x
+    # and 1.30x. The 64-query backward spills a little more at 128 than the 32-query one did,
+    # and is faster all the same.
+    (64, "half"): KernelConfigs(TileConfig(128, 64, 4, 5), TileConfig(64, 128, 8, 2)),
+    (128, "half"): KernelConfigs(TileConfig(128, 64, 8, 5), TileConfig(64, 128, 8, 2)),
     # forward: 64 bytes of spill stores (32 × 64 does not spill but gives up wgmma's
     # 64-row minimum per warp group).
     (256, "half"): KernelConfigs(TileConfig(64, 32, 8, 2), TileConfig(32, 32, 8, 2)),
