@@ -75,11 +75,13 @@ def test_hand_computed_small_case():
       norms       2 x (4*256 + 4*256 + 4)             = 4104
       proj inputs (3 + 2) x 2 * 256                   = 2560
       attention   2*2*8*32 + 4*8 + 2*2*2*32           = 1024 + 32 + 256 = 1312
+                  + on a ring (cp 4 > 1) the last K/V block received, 2*2*2*32 = 256: 1568
       SwiGLU      4 * 2 * 512                         = 4096
-      layer                                           = 12072
+      layer                                           = 12072 alone, 12328 on the ring
     Head (no logits): (8*256 + 4) + 2*256 + 8*32 + 16 = 2052 + 512 + 256 + 16 = 2836
-    Model, no checkpointing: 4 * 12072 + 2836 = 51124 bytes per token.
-    Local tokens: 2 sequences x 8192 / 4 = 4096 -> activations 4096 * 51124 = 209_403_904 B.
+    Model, no checkpointing: 4 * 12072 + 2836 = 51124 bytes per token alone; on the ring of 4,
+    4 * 12328 + 2836 = 52148.
+    Local tokens: 2 sequences x 8192 / 4 = 4096 -> activations 4096 * 52148 = 213_598_208 B.
     The loss's chunk (all 4096 tokens: fewer than 4096 a chunk): 12 * 320 * 4096 =
       15_728_640 B at the start of the backward.
     Ring buffers per token: backward 2 spare K/V blocks 2*(2*2*32)*2 = 512, three fp32 dK/dV
@@ -89,9 +91,9 @@ def test_hand_computed_small_case():
       weights 4*2_394_368 + 2*2_310_144 = 14_197_760; grads 9_577_472; AdamW 19_154_944.
     Peak, at the backward's start (every activation; of the gradients only the root's 164_096
     and one block's 557_568 parameters', 4 B each: 2_886_656; the loss chunk, larger than
-    the ring's buffers): 14_197_760 + 19_154_944 + 2_886_656 + 209_403_904 + 15_728_640 =
-    261_371_904 B. (At its end: all 9_577_472 B of
-    gradients, one block's 4096 x 12072 B of activations and the ring buffers, 71_607_296
+    the ring's buffers): 14_197_760 + 19_154_944 + 2_886_656 + 213_598_208 + 15_728_640 =
+    265_566_208 B. (At its end: all 9_577_472 B of
+    gradients, one block's 4096 x 12328 B of activations and the ring buffers, 72_655_872
     B, less. Without checkpointing the backward's working set is the ring's buffers.)
     Overlap: F/B = 1e14 / 12.5e9 = 8000 FLOP/B; forward 8000 * k a / (2 r h) with r = 1/2:
       8000 * 4 / 8 = 4000 tokens; backward 8000 * k (a+4) / (5 r h) = 8000 * 12 / 20 = 4800.
@@ -102,20 +104,22 @@ def test_hand_computed_small_case():
     assert layer_activation_bytes_per_token(cfg, bf16=True) == 12072
     assert head_activation_bytes_per_token(cfg, bf16=True) == 2836
     assert activation_bytes_per_token(cfg, bf16=True, checkpointing="none") == 51124
+    assert layer_activation_bytes_per_token(cfg, bf16=True, ring=4) == 12328
+    assert activation_bytes_per_token(cfg, bf16=True, checkpointing="none", ring=4) == 52148
     assert ring_buffer_bytes_per_token(cfg, cp=4, bf16=True) == 3072
     assert cfg.num_params() == 2_394_368
 
     cluster = custom_cluster(tflops=100, link_gbps=100, memory_gib=16)
     memory = memory_breakdown(inputs, cluster.accelerator)
-    assert memory.activations_bytes == 209_403_904
+    assert memory.activations_bytes == 213_598_208
     assert memory.ring_buffers_bytes == 12_582_912
     assert memory.loss_chunk_bytes == 15_728_640
     assert (memory.weights_bytes, memory.gradients_bytes, memory.optimizer_bytes) == (
         14_197_760, 9_577_472, 19_154_944)
     assert memory.first_gradients_bytes == 2_886_656
-    assert memory.last_block_kept_bytes == 4096 * 12072
+    assert memory.last_block_kept_bytes == 4096 * 12328
     assert memory.backward_working_bytes == memory.ring_buffers_bytes  # nothing recomputed
-    assert memory.peak_bytes == 261_371_904 and memory.peak_moment == "backward start"
+    assert memory.peak_bytes == 265_566_208 and memory.peak_moment == "backward start"
     assert memory.usable_bytes == int(16 * GIB * 0.9) and memory.fits
 
     forward, backward = overlap_threshold_tokens(
@@ -148,27 +152,29 @@ def test_selective_checkpointing_keeps_the_ring_tensors_and_recomputes_one_regio
 
 def test_backward_working_set_per_checkpointing_mode():
     """What a block's backward adds to the kept activations (4096 local tokens, ring buffers
-    3072 B/token): none, the ring buffers; full, the larger of the whole recomputed block
-    (12072) and what stays of it through the ring's backward (before the ring 3588 + the
-    ring's saved 1312) plus the buffers: max(12072, 7972) = 12072; selective, whose two
+    3072 B/token; cp 4, so a block on the ring is 12328 and its ring part 1568): none, the
+    ring buffers; full, the larger of the whole recomputed block (12328) and what stays of
+    it through the ring's backward (before the ring 3588 + the ring's saved 1568) plus the
+    buffers: max(12328, 8228) = 12328; selective, whose two
     regions are rebuilt before and after the ring's backward, not during it: max(7172,
     3588, 3072) = 7172."""
     device = ACCELERATORS["H100"]
     working = {mode: memory_breakdown(small_inputs(activation_checkpointing=mode), device)
                .backward_working_bytes for mode in ("none", "full", "selective")}
-    assert working == {"none": 4096 * 3072, "full": 4096 * 12072, "selective": 4096 * 7172}
+    assert working == {"none": 4096 * 3072, "full": 4096 * 12328, "selective": 4096 * 7172}
 
 
 def test_fsdp_divides_the_static_memory_and_adds_gathered_blocks():
     """The hand-computed case with FSDP over dp 1 x cp 4: the 2_394_368 parameters are
     598_592 per device (weights and gradients 4 B each, AdamW 8 B; no autocast copies: FSDP
     gathers bf16 weights), and the residual stream is bf16, so q/k/v and w1/w3 share one
-    bf16 input each (a*d = 512): layer 12072 - (1536 + 1024 - 1024) = 10536; 4 * 10536 + 2836
-    = 44980 B per token x 4096 tokens = 184_238_080. Gathered (w = 2): the root (two 320 x
+    bf16 input each (a*d = 512): layer 12072 - (1536 + 1024 - 1024) = 10536, and on the ring
+    of 4 one more K/V block (256), 10792; 4 * 10792 + 2836 = 46004 B per token x 4096 tokens
+    = 188_432_384. Gathered (w = 2): the root (two 320 x
     256 tables and the final norm: 164_096) twice (weights, gradients), 656_384, plus one
     block's 557_568 x (2*2 + max(2, 4)) = 4_460_544. Peak, at the backward's start (the
     first gradients: 4 x 721_664 / 4 = 721_664; the loss chunk, 15_728_640): 2_394_368 +
-    4_788_736 + 721_664 + 184_238_080 + 15_728_640 + 5_116_928 = 212_988_416 B."""
+    4_788_736 + 721_664 + 188_432_384 + 15_728_640 + 5_116_928 = 217_182_720 B."""
     inputs = small_inputs(fsdp=True)
     cfg = inputs.model
     assert layer_activation_bytes_per_token(cfg, bf16=True, bf16_weights=True) == 10536
@@ -177,9 +183,9 @@ def test_fsdp_divides_the_static_memory_and_adds_gathered_blocks():
                                                      memory_gib=16).accelerator)
     assert (memory.weights_bytes, memory.gradients_bytes, memory.optimizer_bytes) == (
         2_394_368, 2_394_368, 4_788_736)
-    assert memory.activations_bytes == 184_238_080
+    assert memory.activations_bytes == 188_432_384
     assert memory.gathered_bytes == 5_116_928
-    assert memory.peak_bytes == 212_988_416
+    assert memory.peak_bytes == 217_182_720
     # One device shards nothing: FSDP is then the replicated run (autocast, no gathering).
     alone = memory_breakdown(small_inputs(fsdp=True, cp=1), ACCELERATORS["H100"])
     assert alone == memory_breakdown(small_inputs(cp=1), ACCELERATORS["H100"])
@@ -276,9 +282,10 @@ def test_1b_job_fits_one_h100_node():
     """jobs/llama-1b-128k-h100.yaml on 1x8xH100 (FSDP, selective checkpointing): 8 sequences x
     16384 tokens per GPU. With FSDP's bf16 weights the residual stream is bf16 and each
     norm's bf16 output feeds its projections (a*d = 4096): before the ring 16388 + 4096 =
-    20484, the ring's 10368, after it 16388 + 4096 + 65536 = 86020 B/token. Kept: 16 x (2d
-    + 10368) = 231424, + the head's 21012; recomputed: 86020 -> 338456 B/token x 131072
-    tokens = 41.32 GiB. Overlap on NVLink (450 GB/s one way): F/B = 989e12 / 450e9 = 2197.8;
+    20484, the ring's 10368 + on a ring of 8 the last K/V block received (2*2*8*64 = 2048)
+    = 12416, after it 16388 + 4096 + 65536 = 86020 B/token. Kept: 16 x (2d + 12416) = 264192,
+    + the head's 21012; recomputed: 86020 -> 371224 B/token x 131072 tokens = 45.32 GiB.
+    Overlap on NVLink (450 GB/s one way): F/B = 989e12 / 450e9 = 2197.8;
     backward 2197.8 * 8 * 6 / (5 * 0.5 * 32) = 1318.7 -> 1319 tokens, far below the
     16384-token block."""
     report = _plan(load_job_spec(JOB_1B), parse_cluster("1x8xH100"))
@@ -288,21 +295,21 @@ def test_1b_job_fits_one_h100_node():
     assert layer_activation_bytes_per_token(cfg, bf16=True) == 129160  # replicated, autocast
     assert layer_activation_bytes_per_token(cfg, bf16=True, bf16_weights=True) == 116872
     assert head_activation_bytes_per_token(cfg, bf16=True) == 21012
-    assert report.memory.activations_bytes == 338456 * 131072
-    assert report.memory.activations_bytes / GIB == pytest.approx(41.32, abs=0.005)
+    assert report.memory.activations_bytes == 371224 * 131072
+    assert report.memory.activations_bytes / GIB == pytest.approx(45.32, abs=0.005)
     assert report.memory.weights_bytes == 4 * math.ceil(cfg.num_params() / 8)
     assert report.overlap.link == "NVLink"
     assert report.overlap.threshold_tokens == 1319
     assert math.ceil(report.overlap.forward_threshold_tokens) == 1099
     assert report.overlap.block_tokens == 16384 and report.overlap.hidden
-    assert report.fits and report.verdict.startswith("fits: 43.2 GiB of 72.0 GiB")
+    assert report.fits and report.verdict.startswith("fits: 47.2 GiB of 72.0 GiB")
     # cp 4 would hold twice the activations (83 GiB) and does not fit: 8 is the smallest.
     assert not memory_breakdown(report.inputs, ACCELERATORS["H100"], cp=4).fits
     assert report.recommended_cp == 8 and report.recommended_layout == "zigzag"
-    # The job as it was (replicated, full checkpointing): 47.3 GiB.
+    # The job as it was (replicated, full checkpointing): 47.5 GiB.
     replicated = plan(replace(inputs, fsdp=False, activation_checkpointing="full"),
                       parse_cluster("1x8xH100"))
-    assert replicated.verdict.startswith("fits: 47.3 GiB of 72.0 GiB")
+    assert replicated.verdict.startswith("fits: 47.5 GiB of 72.0 GiB")
 
 
 def test_8b_job_fits_with_fsdp_and_selective_checkpointing():
@@ -311,10 +318,11 @@ def test_8b_job_fits_with_fsdp_and_selective_checkpointing():
     < the 32768-token block (hidden). Replicated, fp32 weights (4 B), their bf16 copies (2 B
     per matmul parameter), gradients (4 B) and AdamW (8 B) would need 117 GiB per GPU
     whatever cp is. FSDP over the 64 GPUs makes that 16 B x 6.98B / 64 = 1.63 GiB; selective
-    checkpointing keeps 32 x (2d + 20608) + 42004 = 963604 B/token and recomputes 155652:
-    1119256 B/token x 32768 tokens = 34.16 GiB, whose recomputed region (4.75 GiB) is rebuilt
+    checkpointing keeps 32 x (2d + 20608 + 4096) + 42004 = 1094676 B/token (the ring's part
+    with the last K/V block received, 2*2*8*128 = 4096) and recomputes 155652: 1250328
+    B/token x 32768 tokens = 38.16 GiB, whose recomputed region (4.75 GiB) is rebuilt
     apart from the ring's 1.50 GiB of buffers; the gathered bf16 weights and gradients of
-    the root and about two blocks 1.63 GiB -> 37.0 GiB of 72.0."""
+    the root and about two blocks 1.63 GiB -> 41.0 GiB of 72.0."""
     report = _plan(load_job_spec(JOB_8B), parse_cluster("8x8xH100"))
     inputs, cfg = report.inputs, report.inputs.model
     assert (inputs.fsdp, inputs.activation_checkpointing, inputs.shards()) == (
@@ -324,10 +332,10 @@ def test_8b_job_fits_with_fsdp_and_selective_checkpointing():
     local = math.ceil(cfg.num_params() / 64)
     assert report.memory.static_bytes == 16 * local
     assert report.memory.static_bytes / GIB == pytest.approx(1.63, abs=0.005)
-    assert report.memory.activations_bytes == 32768 * 1119256
+    assert report.memory.activations_bytes == 32768 * 1250328
     assert report.memory.activations_bytes == 32768 * activation_bytes_per_token(
-        cfg, bf16=True, checkpointing="selective", bf16_weights=True)
-    assert report.fits and report.verdict == "fits: 37.0 GiB of 72.0 GiB usable per device"
+        cfg, bf16=True, checkpointing="selective", bf16_weights=True, ring=32)
+    assert report.fits and report.verdict == "fits: 41.0 GiB of 72.0 GiB usable per device"
     assert report.recommended_cp == 32
 
     replicated = plan(replace(inputs, fsdp=False, activation_checkpointing="full"),
@@ -336,10 +344,10 @@ def test_8b_job_fits_with_fsdp_and_selective_checkpointing():
     assert replicated.memory.static_bytes >= 16 * cfg.num_params()
     assert not replicated.fits and replicated.recommended_cp is None
     assert "45.0 GiB over" in replicated.verdict and "so no cp helps" in replicated.verdict
-    assert replicated.verdict.endswith("; lower peaks: parallel.fsdp: true 18.8 GiB")
+    assert replicated.verdict.endswith("; lower peaks: parallel.fsdp: true 18.9 GiB")
     unsharded = plan(replace(inputs, fsdp=False), parse_cluster("8x8xH100"))  # selective
     assert unsharded.verdict.endswith(
-        "; lower peaks: parallel.fsdp: true 37.0 GiB, + full checkpointing 18.8 GiB")
+        "; lower peaks: parallel.fsdp: true 41.0 GiB, + full checkpointing 18.9 GiB")
 
 
 def test_cluster_size_and_inferred_cp():
@@ -371,7 +379,7 @@ def test_plan_json_matches_the_report():
     report = _plan(load_job_spec(JOB_1B), parse_cluster("1x8xH100"))
     assert data == json.loads(json.dumps(report.to_dict()))
     assert data["fits"] is True and data["overlap"]["threshold_tokens"] == 1319
-    assert data["memory"]["activations_bytes"] == 338456 * 131072
+    assert data["memory"]["activations_bytes"] == 371224 * 131072
     assert data["job"]["fsdp"] is True and data["memory"]["gathered_bytes"] > 0
 
 
@@ -387,7 +395,7 @@ def test_plan_text_and_exit_code_one_when_it_does_not_fit():
                                       "--set", "parallel.fsdp=false"])
     assert result.exit_code == 1 and "recommended: no cp fits" in result.stdout
     result = CliRunner().invoke(app, ["plan", JOB_8B, "--cluster", "8x8xH100"])
-    assert result.exit_code == 0 and "verdict: fits: 37.0 GiB" in result.stdout
+    assert result.exit_code == 0 and "verdict: fits: 41.0 GiB" in result.stdout
     result = CliRunner().invoke(app, ["plan", JOB_1B, "--cluster", "1x8xH100"])
     assert result.exit_code == 0 and "verdict: fits" in result.stdout
 

@@ -66,10 +66,10 @@ def kv_repeat(cfg: ModelConfig, ulysses: int) -> int:
 
 
 def _block_terms(cfg: ModelConfig, *, bf16: bool, bf16_weights: bool = False,
-                 ulysses: int = 1) -> tuple[int, int, int]:
+                 ulysses: int = 1, ring: int = 1) -> tuple[int, int, int]:
     """(before the ring, the ring's, after the ring): the bytes per token that one block
     saves for its backward in each of its three parts (see
-    :func:`layer_activation_bytes_per_token`)."""
+    :func:`layer_activation_bytes_per_token`), on a ring of ``ring`` ranks."""
     d, h, k, e, f = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden
     a = 2 if bf16 else 4
     norm = 4 * d + 4 * d + 4
@@ -77,14 +77,16 @@ def _block_terms(cfg: ModelConfig, *, bf16: bool, bf16_weights: bool = False,
         qkv_in, w13_in = a * d, a * d
     else:
         qkv_in, w13_in = (3 * a * d, 2 * a * d) if bf16 else (4 * d, 4 * d)
-    attention = 2 * a * h * e + 4 * h + 2 * a * k * kv_repeat(cfg, ulysses) * e
+    kv_blocks = 2 if ring > 1 else 1  # its own block, and on a ring the last one received
+    attention = 2 * a * h * e + 4 * h + kv_blocks * 2 * a * k * kv_repeat(cfg, ulysses) * e
     if ulysses > 1:  # the output back in sequence order: a new tensor, the o projection's input
         attention += a * h * e
     return norm + qkv_in, attention, norm + w13_in + 4 * a * f
 
 
 def layer_activation_bytes_per_token(cfg: ModelConfig, *, bf16: bool,
-                                     bf16_weights: bool = False, ulysses: int = 1) -> int:
+                                     bf16_weights: bool = False, ulysses: int = 1,
+                                     ring: int = 1) -> int:
     """Bytes one decoder block saves for its backward, per token (``d`` = dim, ``h``/``k`` =
     query/kv heads, ``e`` = head_dim, ``f`` = ffn_hidden, ``a`` = 2 with bf16, 4 in fp32).
     The residual stream is float32 (float32 weights; bf16 outputs add into it), or bf16 with
@@ -97,12 +99,16 @@ def layer_activation_bytes_per_token(cfg: ModelConfig, *, bf16: bool,
                    | ad (bf16 weights) and each matmul saves its own bf16 copy; in fp32, or
                                        with bf16 weights, the three share one tensor
         w1/w3 in   2ad | 4d | ad       the same for the two SwiGLU input projections
-        attention  2ahe + 4h + 2ake    ring attention saves q and its output (the o
+        attention  2ahe + 4h + 2ake b  ring attention saves q and its output (the o
                                        projection's input is that same tensor), the float32
-                                       LSE per query head, and the last K/V block it held;
-                                       with Ulysses (U > 1) the K/V block is 2aker (r: the
-                                       K/V repeat, :func:`kv_repeat`) and the o projection's
-                                       input is the all-to-all's own output, + ahe
+                                       LSE per query head, and b K/V blocks: its own (a
+                                       stacked copy, the one it sends), and on a ring of
+                                       more than one rank (``ring``) also the last one it
+                                       received, b = 2 (an upper bound: a documents call
+                                       that reads no other block saves one); with Ulysses
+                                       (U > 1) a K/V block is 2aker (r: the K/V repeat,
+                                       :func:`kv_repeat`) and the o projection's input is
+                                       the all-to-all's own output, + ahe
         SwiGLU     4af                 w1 out (SiLU's input), SiLU out, w3 out, and their
                                        product (w2's input)
 
@@ -110,7 +116,8 @@ def layer_activation_bytes_per_token(cfg: ModelConfig, *, bf16: bool,
     a constant keeps the constant, not the activation. ``tests/test_capacity.py`` checks
     this count against the tensors autograd actually saves.
     """
-    return sum(_block_terms(cfg, bf16=bf16, bf16_weights=bf16_weights, ulysses=ulysses))
+    return sum(_block_terms(cfg, bf16=bf16, bf16_weights=bf16_weights, ulysses=ulysses,
+                            ring=ring))
 
 
 def head_activation_bytes_per_token(cfg: ModelConfig, *, bf16: bool) -> int:
@@ -147,45 +154,47 @@ def loss_chunk_bytes(cfg: ModelConfig, *, local_tokens: int,
 
 
 def kept_activation_bytes_per_token(cfg: ModelConfig, *, bf16: bool, checkpointing: Checkpointing,
-                                    bf16_weights: bool = False, ulysses: int = 1) -> int:
+                                    bf16_weights: bool = False, ulysses: int = 1,
+                                    ring: int = 1) -> int:
     """What the forward leaves alive for the backward, per local token over the whole model:
     every block's saved tensors (``none``); each block's input only (``full``: float32, or
     bf16 with ``bf16_weights``); each block's input and its ring attention's saved tensors
     (``selective``); plus the head's."""
     per_layer = _layer_kept(cfg, bf16=bf16, checkpointing=checkpointing,
-                            bf16_weights=bf16_weights, ulysses=ulysses)
+                            bf16_weights=bf16_weights, ulysses=ulysses, ring=ring)
     return cfg.n_layers * per_layer + head_activation_bytes_per_token(cfg, bf16=bf16)
 
 
 def _layer_kept(cfg: ModelConfig, *, bf16: bool, checkpointing: Checkpointing,
-                bf16_weights: bool, ulysses: int = 1) -> int:
+                bf16_weights: bool, ulysses: int = 1, ring: int = 1) -> int:
     """What one block keeps from its forward for its backward, per token."""
-    before, ring, after = _block_terms(cfg, bf16=bf16, bf16_weights=bf16_weights,
-                                       ulysses=ulysses)
+    before, saved, after = _block_terms(cfg, bf16=bf16, bf16_weights=bf16_weights,
+                                        ulysses=ulysses, ring=ring)
     block_input = (2 if bf16_weights else 4) * cfg.dim
-    return {"none": before + ring + after, "full": block_input,
-            "selective": block_input + ring}[checkpointing]
+    return {"none": before + saved + after, "full": block_input,
+            "selective": block_input + saved}[checkpointing]
 
 
 def recompute_bytes_per_token(cfg: ModelConfig, *, bf16: bool, checkpointing: Checkpointing,
-                              bf16_weights: bool = False, ulysses: int = 1) -> int:
+                              bf16_weights: bool = False, ulysses: int = 1,
+                              ring: int = 1) -> int:
     """What the backward rebuilds at one time, per local token: one whole block (``full``),
     the larger of a block's two regions around the ring pass (``selective``: the part after
     it is recomputed and released before the part before it), or nothing (``none``)."""
-    before, ring, after = _block_terms(cfg, bf16=bf16, bf16_weights=bf16_weights,
-                                       ulysses=ulysses)
-    return {"none": 0, "full": before + ring + after,
+    before, saved, after = _block_terms(cfg, bf16=bf16, bf16_weights=bf16_weights,
+                                        ulysses=ulysses, ring=ring)
+    return {"none": 0, "full": before + saved + after,
             "selective": max(before, after)}[checkpointing]
 
 
 def activation_bytes_per_token(cfg: ModelConfig, *, bf16: bool, checkpointing: Checkpointing,
-                               bf16_weights: bool = False, ulysses: int = 1) -> int:
+                               bf16_weights: bool = False, ulysses: int = 1,
+                               ring: int = 1) -> int:
     """Activations per local token at their peak (the start of the backward): what the
-    forward kept plus what the backward recomputes at once."""
-    return (kept_activation_bytes_per_token(cfg, bf16=bf16, checkpointing=checkpointing,
-                                            bf16_weights=bf16_weights, ulysses=ulysses)
-            + recompute_bytes_per_token(cfg, bf16=bf16, checkpointing=checkpointing,
-                                        bf16_weights=bf16_weights, ulysses=ulysses))
+    forward kept plus what the backward recomputes at once, on a ring of ``ring`` ranks."""
+    terms = dict(bf16=bf16, checkpointing=checkpointing, bf16_weights=bf16_weights,
+                 ulysses=ulysses, ring=ring)
+    return kept_activation_bytes_per_token(cfg, **terms) + recompute_bytes_per_token(cfg, **terms)
 
 
 def ring_buffer_bytes_per_token(cfg: ModelConfig, *, cp: int, bf16: bool,
@@ -307,12 +316,12 @@ def rank_footprint(cfg: ModelConfig, *, local_tokens: int, cp: int, shards: int,
     autocast_copies = 2 * _matmul_params(cfg) if bf16 and not sharded else 0
     weights = 4 * local_params + autocast_copies
     terms = dict(bf16=bf16, checkpointing=checkpointing, bf16_weights=bf16 and sharded,
-                 ulysses=ulysses)
+                 ulysses=ulysses, ring=cp // ulysses)
     kept = local_tokens * kept_activation_bytes_per_token(cfg, **terms)
     recompute = local_tokens * recompute_bytes_per_token(cfg, **terms)
     ring = local_tokens * ring_buffer_bytes_per_token(cfg, cp=cp, bf16=bf16, ulysses=ulysses)
     before, ring_saved, _ = _block_terms(cfg, bf16=bf16, bf16_weights=terms["bf16_weights"],
-                                         ulysses=ulysses)
+                                         ulysses=ulysses, ring=cp // ulysses)
     alongside = local_tokens * (before + ring_saved) if checkpointing == "full" else 0
     working = max(recompute, alongside + ring)
     loss_chunk = loss_chunk_bytes(cfg, local_tokens=local_tokens,
