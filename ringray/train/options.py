@@ -146,8 +146,8 @@ class TrainingOptions:
     activation_checkpointing: ActivationCheckpointing = "none"
     """What the backward recomputes to save memory: 'none'; 'full' (each block, ring pass
     included; keeps only block inputs); 'selective' (each block but its ring pass: keeps
-    block inputs and ring attention's q, output, LSE and last K/V block, so no K/V block is
-    sent twice)."""
+    block inputs and ring attention's q, output, LSE and K/V blocks (its own and the last
+    one received), so no K/V block is sent twice)."""
     log_every: Annotated[int, Ge(1)] = 10
     """Print a progress line every N steps; the first and the last step are always printed,
     so N > steps prints only those."""
