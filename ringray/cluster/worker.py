@@ -45,6 +45,7 @@ from ringray.cluster.status import WorkerHealth
 from ringray.data import PasskeyReport
 from ringray.train import StepStats, TrainOptions
 from ringray.train.checkpoint import RunPlan
+from ringray.train.replicas import ReplicaGroup, ReplicaSync
 from ringray.train.session import Restored, Saved, TrainingSession, plan_session
 
 
@@ -124,12 +125,22 @@ class TrainWorker:
         checkpoint location (:func:`~ringray.train.session.plan_session`)."""
         return plan_session(options, lineage=lineage)
 
-    def build(self, options: TrainOptions, run: RunPlan) -> Restored:
+    def build(self, options: TrainOptions, run: RunPlan, *,
+              replica: ReplicaGroup | None = None) -> Restored:
         """Open this rank's training session (collective) and restore the newest usable
-        checkpoint of ``run``, falling back past corrupt ones (each refusal one line)."""
+        checkpoint of ``run``, falling back past corrupt ones (each refusal one line).
+        ``replica``: this rank's replica group (``parallel.dp_replicate``), whose rank of
+        the same number it averages with and heals from (:mod:`ringray.train.replicas`)."""
         with self._busy():
-            self.session = TrainingSession(options, run)
+            replicas = ReplicaSync(replica) if replica is not None else None
+            self.session = TrainingSession(options, run, replicas=replicas)
             return self.session.restore()
+
+    def state_digest(self) -> str:
+        """A digest of this rank's training state (equal across replica groups in step)."""
+        session = self._opened()
+        with self._busy():
+            return session.state_digest()
 
     def run_steps(self, count: int) -> list[StepStats]:
         """Run ``count`` optimizer steps (every rank in step) and return their statistics."""

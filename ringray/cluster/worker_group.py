@@ -43,6 +43,7 @@ from ringray.cluster.worker import TrainWorker
 from ringray.data import PasskeyReport
 from ringray.train import StepStats, TrainOptions
 from ringray.train.checkpoint import RunPlan
+from ringray.train.replicas import ReplicaGroup
 from ringray.train.session import Restored, Saved
 
 # The ranks' collectives time out well after the controller's step timeout, so a hang is
@@ -56,8 +57,9 @@ class RayWorkerGroup:
     """The current workers of one job (none between a teardown and the next start)."""
 
     def __init__(self, job: JobOptions, record: JobRecord, *,
-                 should_stop: Callable[[], bool]) -> None:
+                 should_stop: Callable[[], bool], name: str | None = None) -> None:
         self.job = job
+        self.name = name or f"ringray-{job.name}"  # its placement group's (unique) name
         self.record = record
         self.should_stop = should_stop
         self.cluster = job.cluster
@@ -67,6 +69,7 @@ class RayWorkerGroup:
         self.workers: list = []
         self.pg = None
         self.plan_: PlacementPlan | None = None
+        self.address: tuple[str, int] | None = None  # rank 0's store: (host, port)
 
     # ----------------------------------------------------------------- placement
     def plan(self, dp_choices: tuple[int, ...], *, avoid: frozenset[str]) -> PlacementPlan:
@@ -127,6 +130,7 @@ class RayWorkerGroup:
             self._set_up_devices()
             host, port = self.watch.wait([self.workers[0].rendezvous_address.remote()],
                                          timeout=timeout, should_stop=self.should_stop)[0]
+            self.address = (host, port)
             self.watch.wait(
                 [w.join.remote(host=host, port=port,
                                backend=self.cluster.process_group_backend,
@@ -154,7 +158,7 @@ class RayWorkerGroup:
         bundles = [self.job.worker_resources for _ in plan.ranks]
         selectors = [{NODE_ID_LABEL: rank.node_id} for rank in plan.ranks]
         self.pg = placement_group(bundles, strategy="PACK", bundle_label_selector=selectors,
-                                  name=f"ringray-{self.job.name}")
+                                  name=self.name)
         self.watch.wait([self.pg.ready()], timeout=self.cluster.startup_timeout_seconds,
                         what="the placement group to be reserved", should_stop=self.should_stop)
         actor = ray.remote(TrainWorker)
@@ -175,8 +179,16 @@ class RayWorkerGroup:
         return self._startup_call([self.workers[0].run_plan.remote(
             self.job.train, lineage=lineage)])[0]
 
-    def build(self, options: TrainOptions, run: RunPlan) -> Restored:
-        return self._startup_call([w.build.remote(options, run) for w in self.workers])[0]
+    def build(self, options: TrainOptions, run: RunPlan, *,
+              replica: ReplicaGroup | None = None) -> Restored:
+        """Every worker opens its training session; ``replica``: this group's place among
+        the job's replica groups (:mod:`ringray.cluster.replica_groups`)."""
+        return self._startup_call([w.build.remote(options, run, replica=replica)
+                                   for w in self.workers])[0]
+
+    def state_digests(self) -> list[str]:
+        """Each rank's digest of its training state (weights, optimizer, loader, step)."""
+        return self._startup_call([w.state_digest.remote() for w in self.workers])
 
     def _startup_call(self, refs: list) -> list:
         try:
@@ -244,7 +256,7 @@ class RayWorkerGroup:
             try:
                 remove_placement_group(self.pg)
             except Exception as exc:
-                self.record.event(f"the placement group ringray-{self.job.name} could not be "
+                self.record.event(f"the placement group {self.name} could not be "
                                   f"removed: {exc}", exc=exc)
         self.watch.forget()
-        self.workers, self.pg = [], None
+        self.workers, self.pg, self.address = [], None, None

@@ -23,8 +23,12 @@ checkpoint location (one rank, or the controller's chosen worker, calls it).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from ringray.data import PasskeyReport, evaluate_passkey
 from ringray.train.checkpoint import (
@@ -35,6 +39,8 @@ from ringray.train.checkpoint import (
     plan_run,
 )
 from ringray.train.options import TrainOptions
+from ringray.train.replicas import ReplicaSync
+from ringray.train.sharding import local_tensor
 from ringray.train.step_stats import StepStats
 from ringray.train.trainer import Trainer
 
@@ -83,10 +89,12 @@ def checkpoint_due(step: int, options: TrainOptions) -> bool:
 class TrainingSession:
     """One rank's part of a run: its trainer and the run's checkpoint store (lineage)."""
 
-    def __init__(self, options: TrainOptions, run: RunPlan) -> None:
+    def __init__(self, options: TrainOptions, run: RunPlan, *,
+                 replicas: ReplicaSync | None = None) -> None:
         self.options = options
         self.run = run
-        self.trainer = Trainer(options)
+        # replicas: this rank's link to the other replica groups (parallel.dp_replicate)
+        self.trainer = Trainer(options, replicas=replicas)
         # Probes (device peak, ring transfer rate) once per session, before the first step,
         # so that step's time is the step's.
         self.trainer.calibrate()
@@ -137,6 +145,29 @@ class TrainingSession:
         ref = self.trainer.save_checkpoint(self.store)
         warnings, self.store.warnings = tuple(self.store.warnings), []
         return Saved(checkpoint=ref, warnings=warnings)
+
+    def state_digest(self) -> str:
+        """A SHA-256 of this rank's training state: its weights and optimizer state (its
+        shards under FSDP), loader position, RNG and step. Replica groups in step hold equal
+        digests rank for rank."""
+        digest = hashlib.sha256()
+
+        def add(value: Any, path: str) -> None:
+            if isinstance(value, dict):
+                for key in sorted(value, key=str):
+                    add(value[key], f"{path}/{key}")
+            elif isinstance(value, (list, tuple)):
+                for i, item in enumerate(value):
+                    add(item, f"{path}/{i}")
+            elif isinstance(value, torch.Tensor):
+                local = local_tensor(value).detach().cpu().contiguous()
+                digest.update(f"{path}:{local.dtype}:{tuple(local.shape)}".encode())
+                digest.update(local.reshape(-1).view(torch.uint8).numpy().tobytes())
+            else:
+                digest.update(f"{path}={value!r}".encode())
+
+        add(self.trainer.state_dict(), "")
+        return digest.hexdigest()
 
     def evaluate(self) -> PasskeyReport | None:
         """The job's passkey evaluation, or ``None`` when it asks for none."""
