@@ -12,9 +12,11 @@ from ringray.accelerators import Accelerator, ClusterShape
 from ringray.capacity.inputs import PlanInputs
 from ringray.model import ModelConfig
 from ringray.train.footprint import Footprint, kv_repeat, rank_footprint
+from ringray.train.memory_check import MEMORY_RESERVE_RATIO as MEMORY_RESERVE_RATIO
+from ringray.train.memory_check import usable_bytes
 
-MEMORY_RESERVE_RATIO = 0.10
-"""Share of device memory left for what the accounting does not count (see module doc)."""
+# MEMORY_RESERVE_RATIO and usable_bytes live with the check before a start (one reserve for
+# the plan and that check); re-exported here, where ringray.capacity's callers find them.
 
 
 def overlap_threshold_tokens(
@@ -77,12 +79,6 @@ def plan_footprint(inputs: PlanInputs, *, cp: int | None = None,
         inputs.model, local_tokens=inputs.local_batch * (inputs.seq_len // cp), cp=cp,
         shards=inputs.shards(cp), bf16=inputs.bf16,
         checkpointing=inputs.activation_checkpointing, ulysses=ulysses)
-
-
-def usable_bytes(memory_bytes: float) -> int:
-    """What a rank may plan to use of ``memory_bytes``: all but the reserve
-    (:data:`MEMORY_RESERVE_RATIO`)."""
-    return int(memory_bytes * (1 - MEMORY_RESERVE_RATIO))
 
 
 def memory_breakdown(inputs: PlanInputs, device: Accelerator, *, cp: int | None = None,

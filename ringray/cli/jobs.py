@@ -97,6 +97,11 @@ def submit(
         [], "--pip", metavar="PKG",
         help="Another package for the job's pip (repeatable), e.g. --pip flash-attn.",
     ),
+    force: bool = typer.Option(
+        False, "--force",
+        help="Start even when a worker's planned memory exceeds what its node gives it "
+        "(each worker checks on the cluster); submits --set train.memory_check=false.",
+    ),
     dry_run: bool = typer.Option(
         False, "--dry-run",
         help="Print the entrypoint, runtime environment and metadata it would send (JSON) "
@@ -110,7 +115,9 @@ def submit(
     directory (without .venv, runs, .git); the cluster runs `python -m ringray train SPEC`
     with its own Python, which needs Ray and torch (of the versions the cluster runs). The
     job's pip installs ringray's other dependencies unless --no-pip; never torch, triton or
-    Ray.
+    Ray. On the cluster each worker refuses, before its session is built, a job that needs
+    more memory than its node gives it (the submission then fails in one line, without
+    retries); --force submits it with that check off.
 
     Example: ringray submit jobs/quickstart.yaml --address http://127.0.0.1:8265 --steps 50
     """
@@ -119,6 +126,8 @@ def submit(
     # Paths in the spec are the cluster's (run_dir, checkpoint.path): not checked here.
     spec = load_spec(spec_path, overrides, steps=steps, check_paths=False)
     overrides = [*overrides, f"train.steps={steps}"] if steps is not None else overrides
+    if force:  # an override, so that `ringray resume ID` submits it the same way
+        overrides = [*overrides, "train.memory_check=false"]
     if not Path(spec_path).resolve().is_relative_to(Path.cwd()):
         fail(f"{spec_path}: the spec must be inside this directory (it is shipped as the "
               f"job's working directory)")
@@ -270,7 +279,8 @@ def resume(
     ),
     force: bool = typer.Option(
         False, "--force",
-        help="Start even when a worker's planned memory exceeds what this machine gives it.",
+        help="Start even when a worker's planned memory exceeds what its node gives it "
+        "(train.memory_check: false; a submission id is resubmitted with that override).",
     ),
 ) -> None:
     """Continue a run from its last complete checkpoint after the whole job died.
@@ -303,6 +313,8 @@ def resume(
     if steps is not None:
         previous.append(f"train.steps={steps}")
     # The same spec, overrides, run directory and pip packages (the same environment).
+    if force:
+        overrides.append("train.memory_check=false")
     request = submission_request(spec_path=info.spec, job_name=info.job_name,
                                  overrides=[*previous, *overrides], run_dir=info.run_dir,
                                  working_dir=str(Path.cwd()), pip=info.pip)

@@ -38,8 +38,9 @@ def train(
     ),
     force: bool = typer.Option(
         False, "--force",
-        help="Start even when a worker's planned memory exceeds what this machine gives it "
-        "(checked before an embedded Ray starts).",
+        help="Start even when a worker's planned memory exceeds what its node gives it "
+        "(checked before an embedded Ray starts, and on each worker's node before its "
+        "session is built); sets train.memory_check: false.",
     ),
 ) -> None:
     """Run a job on Ray: place its rings, train, recover from failures, follow progress.
@@ -49,9 +50,11 @@ def train(
     with the same spec reattaches). Exit code: 0 finished, 2 refused or failed (one line),
     130 stopped by Ctrl-C, 143 by SIGTERM (128 + the signal, as shells report it).
 
-    Before an embedded Ray starts, a job whose worker needs more memory than this machine
-    gives it (`ringray plan`'s model against the available RAM shared by the workers, or a
-    GPU's memory) is refused; --force starts it anyway. Once the job has started, the spec
+    A job whose worker needs more memory than its node gives it (`ringray plan`'s model
+    against the node's available RAM shared by the job's workers there, or a GPU's memory)
+    is refused in one line: before an embedded Ray starts, and on a cluster by each worker
+    before its session is built (the job fails, without retries); --force starts it
+    anyway. Once the job has started, the spec
     as run is written to RUN/job.yaml, which `ringray resume RUN` and `ringray export RUN`
     read from wherever RUN has been moved.
 
@@ -64,11 +67,13 @@ def run_job(spec: JobSpec, *, address: str | None, force: bool = False) -> None:
     """Run ``spec``'s job on Ray and follow it to its end (`ringray train`, `ringray resume`).
     What can be checked before Ray starts is checked first, each refusal in one line."""
     job = _with_absolute_paths(spec.job_options())
+    if force:  # the workers' own check is off too
+        job = _without_memory_check(job)
     address = address or os.environ.get("RAY_ADDRESS")
     if address is None:  # on a cluster, a running job of this name is reattached to instead
         _check_run_dir(job)
     _check_resume_step(job)
-    if address is None and not force:
+    if address is None and job.train.train.memory_check:
         _check_memory_here(job)
     options = job.train
     err.print(
@@ -116,10 +121,18 @@ def _check_resume_step(job: JobOptions) -> None:
              f"a new run_dir to train afresh")
 
 
+def _without_memory_check(job: JobOptions) -> JobOptions:
+    """``job`` with ``train.memory_check`` off (``--force``)."""
+    options = job.train
+    return replace(job, train=replace(options, train=replace(options.train,
+                                                             memory_check=False)))
+
+
 def _check_memory_here(job: JobOptions) -> None:
     """Before an embedded Ray starts: refuse a job whose worker's planned peak memory
-    exceeds what this machine gives it (see :mod:`ringray.capacity.workers`)."""
-    from ringray.capacity import WorkerShare, check_worker_memory
+    exceeds what this machine gives it (see :mod:`ringray.train.memory_check`; the workers
+    check again on their nodes, which is what a job on a cluster gets)."""
+    from ringray.train.memory_check import WorkerShare, check_worker_memory, host_memory
 
     on_gpu = job.cluster.accelerator == "gpu"
     if on_gpu:
@@ -128,35 +141,16 @@ def _check_memory_here(job: JobOptions) -> None:
             return
         share = WorkerShare(node="this machine's GPU memory", node_bytes=device_bytes)
     else:
-        share = WorkerShare(node="this host's available memory",
-                            node_bytes=available_memory_bytes(), workers=job.dp_max * job.cp)
+        try:
+            where, node_bytes = host_memory("this host")
+        except ValueError as exc:
+            fail(str(exc))
+        workers = job.train.parallel.dp_replicate * job.dp_max * job.cp
+        share = WorkerShare(node=where, node_bytes=node_bytes, workers=workers)
     refusal = check_worker_memory(job.train, dp=job.dp_max, cp=job.cp, on_gpu=on_gpu,
                                   share=share)
     if refusal is not None:
         fail(refusal)
-
-
-def available_memory_bytes() -> int:
-    """Memory that new processes on this host can have: Linux's MemAvailable, capped by this
-    process's cgroup limit (a container's) when one is set."""
-    available = None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                available = int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    if available is None:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    try:
-        cgroup = Path("/sys/fs/cgroup")
-        limit = (cgroup / "memory.max").read_text().strip()
-        if limit != "max":
-            used = int((cgroup / "memory.current").read_text())
-            available = min(available, max(0, int(limit) - used))
-    except (OSError, ValueError):
-        pass
-    return available
 
 
 def _smallest_gpu_bytes() -> int | None:

@@ -7,7 +7,7 @@ The controller creates one per rank inside the job's placement group, then drive
     host, port = worker0.rendezvous_address()          # rank 0 only
     worker.join(host=host, port=port, backend="gloo", timeout_seconds=60)   # every rank
     plan = worker0.run_plan(options, lineage=None)      # rank 0 reads the checkpoint location
-    worker.build(options, plan) -> Restored             # every rank: session (+ restore)
+    worker.build(options, plan) -> Restored             # every rank: memory check, session
     worker.run_steps(1) -> [StepStats]                  # every rank, in step
     worker.checkpoint() -> Saved                        # every rank (collective)
     worker.health() -> WorkerHealth                     # any time, answered between steps too
@@ -45,6 +45,12 @@ from ringray.cluster.status import WorkerHealth
 from ringray.data import PasskeyReport
 from ringray.train import StepStats, TrainOptions
 from ringray.train.checkpoint import RunPlan
+from ringray.train.memory_check import (
+    WorkerMemoryRefused,
+    WorkerShare,
+    check_worker_memory,
+    host_memory,
+)
 from ringray.train.replicas import ReplicaGroup, ReplicaSync
 from ringray.train.session import Restored, Saved, TrainingSession, plan_session
 
@@ -130,11 +136,54 @@ class TrainWorker:
         """Open this rank's training session (collective) and restore the newest usable
         checkpoint of ``run``, falling back past corrupt ones (each refusal one line).
         ``replica``: this rank's replica group (``parallel.dp_replicate``), whose rank of
-        the same number it averages with and heals from (:mod:`ringray.train.replicas`)."""
+        the same number it averages with and heals from (:mod:`ringray.train.replicas`).
+
+        First every rank checks its memory (:meth:`check_memory`); on CPU (gloo) the ranks
+        then wait for each other, so none allocates while a peer on its node still reads
+        the node's available memory."""
         with self._busy():
+            self.check_memory(options)
+            if options.train.memory_check and dist.is_initialized() \
+                    and dist.get_backend() == "gloo":
+                dist.barrier()
             replicas = ReplicaSync(replica) if replica is not None else None
             self.session = TrainingSession(options, run, replicas=replicas)
             return self.session.restore()
+
+    def check_memory(self, options: TrainOptions) -> None:
+        """Raise :class:`~ringray.train.memory_check.WorkerMemoryRefused` (a ``ValueError``:
+        the controller fails the job, no retry) when this worker's planned peak exceeds its
+        share of its node (:mod:`ringray.train.memory_check`); nothing when
+        ``train.memory_check`` is off. Touches no collective."""
+        if not options.train.memory_check:
+            return
+        parallel = options.parallel
+        refusal = check_worker_memory(options, dp=parallel.dp, cp=parallel.cp,
+                                      on_gpu=self._cuda_device is not None,
+                                      share=self._memory_share())
+        if refusal is not None:
+            raise WorkerMemoryRefused(refusal)
+
+    def _memory_share(self) -> WorkerShare:
+        """What this worker may use: its GPU's memory, or its node's available memory (or
+        RINGRAY_NODE_MEMORY_BYTES) shared by the job's workers on the node."""
+        node = ray.get_runtime_context().get_node_id()
+        if self._cuda_device is not None:
+            props = torch.cuda.get_device_properties(self._cuda_device)
+            return WorkerShare(node=f"{props.name}'s memory on node {node[:8]}",
+                               node_bytes=props.total_memory)
+        where, node_bytes = host_memory(f"node {node[:8]}")
+        return WorkerShare(node=where, node_bytes=node_bytes,
+                           workers=self._workers_on_node(node))
+
+    def _workers_on_node(self, node: str) -> int:
+        """This job's workers on ``node``: the bundles of this worker's placement group that
+        Ray put there (every worker of the group, when it runs outside one)."""
+        group = ray.util.get_current_placement_group()
+        if group is None:
+            return self.world_size
+        bundles = ray.util.placement_group_table(group).get("bundles_to_node_id", {})
+        return max(1, sum(1 for where in bundles.values() if where == node))
 
     def state_digest(self) -> str:
         """A digest of this rank's training state (equal across replica groups in step)."""

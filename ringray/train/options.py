@@ -154,6 +154,13 @@ class TrainingOptions:
     peak_tflops_per_device: Annotated[float, Gt(0)] | None = None
     """Peak TFLOP/s per device for MFU; null: a known GPU's bf16 peak, or a float32 matmul
     measured at start on CPU."""
+    memory_check: bool = True
+    """Refuse, in one line with the figures, a job whose worker's planned peak memory (what
+    `ringray plan` counts) exceeds its share of its node: the node's available memory (or
+    RINGRAY_NODE_MEMORY_BYTES in its environment) shared by the job's workers there, or a
+    GPU's memory. `ringray train` checks before an embedded Ray starts, and every worker
+    on its node before its session is built (jobs on a cluster and submissions too); a
+    refused job fails without retries. false (what --force sets) starts it anyway."""
 
     def __post_init__(self) -> None:
         if isinstance(self.activation_checkpointing, bool):  # the spelling before 'selective'
