@@ -350,16 +350,15 @@ def _now() -> float:
     return time.time()
 
 
-def test_ringray_train_refuses_replica_groups_before_starting_anything() -> None:
-    """The Ray controller does not start replica groups yet: its job file is refused."""
+def test_ringray_train_takes_replica_groups_and_counts_their_workers() -> None:
+    """`ringray train` starts replica groups (ringray.cluster.replica_groups): the job file
+    is accepted, and its workers are dp_replicate x dp x cp."""
     from ringray.spec.load import parse_job_spec
-    from ringray.spec.schema import JobSpecError
 
-    spec = parse_job_spec({"parallel": {"dp": 1, "cp": 1, "dp_replicate": 2},
+    spec = parse_job_spec({"parallel": {"dp": 1, "cp": 2, "dp_replicate": 2},
                            "train": {"global_batch": 2}})
-    with pytest.raises(JobSpecError, match=r"^parallel.dp_replicate: 2 replica groups are not "
-                                           r"started by `ringray train` yet"):
-        spec.job_options()
+    job = spec.job_options()
+    assert (job.replicas, job.dp_max, job.cp) == (2, 1, 2)
 
 
 def test_steps_lines_from_before_replica_groups_still_load() -> None:

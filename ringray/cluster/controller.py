@@ -31,6 +31,7 @@ from pathlib import Path
 from ringray.cluster.job_options import JobOptions
 from ringray.cluster.machine import JobMachine
 from ringray.cluster.record import JobRecord
+from ringray.cluster.replica_groups import ReplicatedWorkerGroup
 from ringray.cluster.states import Failed, Placing, State
 from ringray.cluster.status import JobState, JobStatus
 from ringray.cluster.worker_group import RayWorkerGroup
@@ -49,8 +50,9 @@ class JobController:
         self.record = JobRecord(job, Path(job.train.run_dir), metrics=JobMetrics(job.name))
         self.record.hold_events()  # written once the run directory is this job's
         self.record.metrics_url = self._serve_metrics()
-        self.workers = RayWorkerGroup(job, self.record,
-                                      should_stop=self._stop_requested.is_set)
+        # Replica groups (parallel.dp_replicate > 1) replace a lost group alone.
+        group = ReplicatedWorkerGroup if job.replicas > 1 else RayWorkerGroup
+        self.workers = group(job, self.record, should_stop=self._stop_requested.is_set)
         self.machine = JobMachine(job, self.workers, self.record,
                                   stop_requested=self._stop_requested.is_set)
 
@@ -119,6 +121,8 @@ class JobController:
         finally:
             try:
                 self.workers.withdraw_request()
+                if isinstance(self.workers, ReplicatedWorkerGroup):
+                    self.workers.close()  # its Lighthouse
             except Exception as exc:  # the job has ended either way
                 self.record.event(f"withdrawing the autoscaler request failed: {exc}", exc=exc)
             self.record.run_dir.close()

@@ -60,6 +60,10 @@ class ClusterOptions:
     """Link speed inside a node (Gb/s) for the placement's costs."""
     inter_node_gbps: Annotated[float, Gt(0)] | None = None
     """Link speed between nodes (Gb/s) for the placement's costs."""
+    replica_heartbeat_seconds: Annotated[float, Gt(0)] = 2.0
+    """With parallel.dp_replicate > 1: a replica group silent this long is left out of the
+    next quorum (the survivors' next step commits without it), and the first quorum waits
+    this long for every group."""
 
     def __post_init__(self) -> None:
         resources = self.worker_resources
@@ -107,6 +111,12 @@ def check_elastic_floor(cluster: ClusterOptions, train: TrainOptions) -> None:
             f"cluster.dp_min: {dp_min} is larger than parallel.dp={dp} (the size the job asks "
             f"for); use a value from 1 to {dp}"
         )
+    replicas = train.parallel.dp_replicate
+    if replicas > 1 and dp_min != dp:
+        raise ValueError(
+            f"cluster.dp_min: {dp_min} with parallel.dp_replicate: {replicas}; replica groups "
+            f"keep their size (a lost group is replaced, not shrunk): leave dp_min unset or "
+            f"equal to parallel.dp={dp}")
     batch = train.train.global_batch
     if batch % dp_min:
         raise ValueError(
@@ -145,6 +155,11 @@ class JobOptions:
         return self.train.parallel.ulysses
 
     @property
+    def replicas(self) -> int:
+        """Replica groups (``parallel.dp_replicate``), each of dp × cp workers."""
+        return self.train.parallel.dp_replicate
+
+    @property
     def dp_max(self) -> int:
         """The data-parallel size the job asks for."""
         return self.train.parallel.dp
@@ -175,7 +190,7 @@ class JobOptions:
         """Raise ``ValueError`` if the smallest job allowed (``dp_min × cp`` workers) needs more
         of a resource than ``available`` holds in total (a cluster that cannot grow: an
         embedded local Ray, or one without an autoscaler); ``where`` names it."""
-        workers = self.dp_min * self.cp
+        workers = self.replicas * self.dp_min * self.cp
         for resource, amount in self.worker_resources.items():
             need, have = workers * amount, available.get(resource, 0.0)
             if need > have:

@@ -153,6 +153,11 @@ class JobMachine:
     def total_steps(self) -> int:
         return self.job.train.train.steps
 
+    def _dp(self, plan: PlacementPlan) -> int:
+        """A plan's data-parallel degree per replica group (its rings are dp_replicate ×
+        dp: :mod:`ringray.cluster.replica_groups`)."""
+        return plan.dp // self.job.replicas
+
     def _dp_choices(self) -> tuple[int, ...]:
         return dp_options(dp_min=self.job.dp_min, dp_max=self.job.dp_max,
                           global_batch=self.job.train.train.global_batch)
@@ -212,9 +217,10 @@ class JobMachine:
             plan = plan or self.workers.plan(self._dp_choices(), avoid=self.avoid)
         except PlacementError as exc:
             return self._wait_for_capacity(state, str(exc))
-        if plan.dp < self.job.dp_max:
-            self.record.event(f"running at dp={plan.dp} of {self.job.dp_max}: the live nodes "
-                              f"have room for no more; asking the autoscaler for the full size")
+        if self._dp(plan) < self.job.dp_max:
+            self.record.event(f"running at dp={self._dp(plan)} of {self.job.dp_max}: the live "
+                              f"nodes have room for no more; asking the autoscaler for the full "
+                              f"size")
             self.workers.ask_for_full_size()
         self.plan = plan
         self.record.placed(plan)
@@ -243,7 +249,7 @@ class JobMachine:
                 self.record.moved_aside(run.moved_aside_to)
             self.lineage = run.lineage
             options = replace(self.job.train, parallel=replace(
-                self.job.train.parallel, dp=plan.dp, cp=plan.cp))
+                self.job.train.parallel, dp=self._dp(plan), cp=plan.cp))
             restored = self.workers.build(options, run)
         except StopRequested:
             return self._stopping(state)
@@ -321,9 +327,9 @@ class JobMachine:
 
     def _track_capacity(self) -> None:
         """While running smaller than asked, note since when the live nodes hold more."""
-        if self.plan is not None and self.plan.dp < self.job.dp_max:
+        if self.plan is not None and self._dp(self.plan) < self.job.dp_max:
             self.larger_since = track_larger_capacity(
-                self.larger_since, current_dp=self.plan.dp,
+                self.larger_since, current_dp=self._dp(self.plan),
                 feasible_dp=self.workers.feasible_dp(self._dp_choices(), avoid=self.avoid),
                 now=self.clock(),
             )
@@ -366,17 +372,17 @@ class JobMachine:
         return Recovering(failure=failure)
 
     def _after_interval_checkpoint(self) -> State:
-        if self.plan is None or self.plan.dp >= self.job.dp_max:
+        if self.plan is None or self._dp(self.plan) >= self.job.dp_max:
             return Running()
         grow = grow_to(
-            current_dp=self.plan.dp,
+            current_dp=self._dp(self.plan),
             feasible_dp=self.workers.feasible_dp(self._dp_choices(), avoid=self.avoid),
             larger_since=self.larger_since, now=self.clock(),
             grow_after_seconds=self.job.cluster.grow_after_seconds,
         )
         if grow is None:
             return Running()
-        self.record.event(f"growing from dp={self.plan.dp} to dp={grow} at step "
+        self.record.event(f"growing from dp={self._dp(self.plan)} to dp={grow} at step "
                           f"{self.step_count}")
         return Resizing(to_dp=grow)
 

@@ -153,11 +153,6 @@ class JobSpec(Section):
                     f"parallel.{field}: required by `ringray train` (there is no world size to "
                     f"infer it from); give a number"
                 )
-        if self.parallel.dp_replicate > 1:  # ringray.train.replicas: torchrun-side groups only
-            raise JobSpecError(
-                f"parallel.dp_replicate: {self.parallel.dp_replicate} replica groups are not "
-                f"started by `ringray train` yet (its controller restarts the whole job on a "
-                f"fault); use 1")
         return self._job_options(self.train_options())
 
     def _job_options(self, train: TrainOptions) -> JobOptions:

@@ -84,8 +84,10 @@ class ParallelOptions:
     labels), and a replica that misses steps drops its slices of them, so the loader's
     position stays the step's. A replica that joins late heals from a live peer (weights,
     optimizer state, loader position, RNG, step). 1: none (a fault restarts the job from
-    its checkpoint). More needs torchft and a driver that starts the groups
-    (ringray.train.replicas); train.global_batch must split over dp_replicate × dp."""
+    its checkpoint). More needs torchft; `ringray train` starts the groups and the torchft
+    Lighthouse and replaces a lost group alone while the others train
+    (ringray.cluster.replica_groups); `python -m ringray.train` does not start them yet.
+    train.global_batch must split over dp_replicate × dp."""
     cp: Annotated[int, Ge(1)] | None = None
     """Context-parallel ranks per sequence, ring × ulysses; null: world size / dp (torchrun
     only)."""

@@ -1,0 +1,463 @@
+"""Replica groups on Ray (``parallel.dp_replicate`` R > 1): R copies of the job's dp × cp
+mesh, each its own set of worker actors and its own ``torch.distributed`` world, averaging
+their gradients through torchft (:mod:`ringray.train.replicas`), behind the one
+:class:`~ringray.cluster.machine.WorkerGroup` the job's state machine drives.
+
+    workers = ReplicatedWorkerGroup(job, record, should_stop=stop.is_set)
+    plan = workers.plan(dp_choices, avoid=frozenset())      # R x dp rings, placed together
+    workers.start(plan)                                     # the Lighthouse, then R groups
+    restored = workers.build(options, workers.run_plan(lineage=None))
+    stats = workers.step(move_now=decide)                   # a step the replicas committed
+
+**What the machine sees.** One worker group: a step returns once the replica groups have
+committed it, with the statistics of the lowest-index group that did (every participant
+holds the same sums). The machine records each committed step once, so ``steps.jsonl`` never
+holds a step twice, and a step no group committed (a peer died inside it) is run again
+here, not recorded.
+
+**A replica group fails** (its node dies, a rank is killed, it hangs past
+``cluster.step_timeout_seconds``): it alone is torn down and recorded; the others' next step
+commits without it (torchft's quorum leaves it out once its heartbeats stop,
+``cluster.replica_heartbeat_seconds``), its slices of the batch dropped for the steps it
+misses. A replacement is placed on the live nodes outside the survivors' slots, in its own
+placement group, *in the background* while the survivors train; it starts with no
+checkpoint and at its first step heals from a live peer (weights, optimizer state, loader
+position, RNG, step), then trains with them. Replacements count against
+``cluster.max_failures``. Only when no replica group is left alive does a failure reach the
+machine, which then recovers as without replicas: every worker restarted, the last
+checkpoint restored (two groups of two dying together take this path).
+
+**The Lighthouse** (torchft's quorum server) is an actor on the head node, started before
+the groups and kept for the job (a restart of the groups keeps it; if it dies, the groups'
+quorum calls fail, and the machine's recovery starts a new one).
+
+**Checkpoints and the passkey evaluation** are taken by one replica group, the lowest index
+among those that trained the current step, while the others wait: the state is the same in
+each. Placement: the R × dp rings come from one plan, which spreads rings over
+``cluster.failure_domain`` where the nodes have one; replica group r gets rings r × dp to
+(r + 1) × dp - 1. Fewer domains than groups is a warning, not an error.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from ringray.cluster.errors import JobError, WorkerGroupFailure
+from ringray.cluster.job_options import JobOptions
+from ringray.cluster.nodes import schedulable_nodes
+from ringray.cluster.placement import (
+    PlacementError,
+    PlacementPlan,
+    RankPlacement,
+    plan_placement,
+)
+from ringray.cluster.policy import Drain, Failure, FailureKind
+from ringray.cluster.record import JobRecord
+from ringray.cluster.worker_group import RayWorkerGroup
+from ringray.data import PasskeyReport
+from ringray.train import StepStats, TrainOptions
+from ringray.train.checkpoint import RunPlan
+from ringray.train.replicas import ReplicaGroup
+from ringray.train.session import Restored, Saved
+
+UNCOMMITTED_ATTEMPTS = 5
+"""Steps in a row that no replica group commits before the job is treated as failed."""
+
+
+class Lighthouse:
+    """torchft's Lighthouse in an actor (``ray.remote`` wraps it, pinned to the head node)."""
+
+    def __init__(self, *, min_replicas: int, join_timeout_ms: int,
+                 heartbeat_timeout_ms: int) -> None:
+        from torchft.coordination import LighthouseServer
+
+        self.server = LighthouseServer(bind="[::]:0", min_replicas=min_replicas,
+                                       join_timeout_ms=join_timeout_ms,
+                                       heartbeat_timeout_ms=heartbeat_timeout_ms)
+        port = self.server.address().rsplit(":", 1)[1]
+        self._address = f"http://{ray.util.get_node_ip_address()}:{port}"
+
+    def address(self) -> str:
+        """Where the groups reach it (this node's address, which every node can route to)."""
+        return self._address
+
+
+def head_node_id() -> str | None:
+    """The Ray head node's id (``None`` if no live node says it is the head)."""
+    for node in ray.nodes():
+        if node["Alive"] and "node:__internal_head__" in node.get("Resources", {}):
+            return node["NodeID"]
+    return None
+
+
+def split_plan(plan: PlacementPlan, count: int) -> list[PlacementPlan]:
+    """The plan of ``count`` × dp rings as ``count`` plans of dp rings each, ranks numbered
+    from 0 in each (group r takes rings r × dp to (r + 1) × dp - 1)."""
+    if plan.dp % count:
+        raise ValueError(f"parallel.dp_replicate: {count} does not divide the plan's "
+                         f"{plan.dp} rings")
+    dp = plan.dp // count
+    plans = []
+    for index in range(count):
+        rings = plan.rings[index * dp:(index + 1) * dp]
+        order = [rank for ring in rings for rank in ring.ranks]
+        new = {old: new for new, old in enumerate(order)}
+        slots: dict[str, int] = {}
+        ranks = []
+        for new_rank, old in enumerate(order):
+            node = plan.ranks[old].node_id
+            ranks.append(RankPlacement(rank=new_rank, node_id=node, slot=slots.get(node, 0)))
+            slots[node] = slots.get(node, 0) + 1
+        plans.append(PlacementPlan(dp=dp, cp=plan.cp, ranks=tuple(ranks), rings=tuple(
+            replace(ring, ring=i, ranks=tuple(new[r] for r in ring.ranks))
+            for i, ring in enumerate(rings))))
+    return plans
+
+
+class _GroupRecord:
+    """What one replica group's worker group records: its events, marked with the group, and
+    its workers, merged with the other groups' into the job's list."""
+
+    def __init__(self, parent: ReplicatedWorkerGroup, index: int) -> None:
+        self.parent, self.index = parent, index
+
+    def event(self, message: str, *, exc: BaseException | None = None) -> None:
+        self.parent.record.event(f"replica group {self.index}: {message}", exc=exc)
+
+    def workers(self, healths: tuple) -> None:
+        self.parent.group_workers(self.index, healths)
+
+
+class ReplicatedWorkerGroup:
+    """The job's replica groups, seen by the state machine as one worker group."""
+
+    def __init__(self, job: JobOptions, record: JobRecord, *,
+                 should_stop: Callable[[], bool]) -> None:
+        self.job, self.record, self.should_stop = job, record, should_stop
+        self.count = job.train.parallel.dp_replicate
+        self.cluster = job.cluster
+        self.members: dict[int, RayWorkerGroup] = {}  # live groups, built
+        self.pending: dict[int, Future] = {}  # replacements starting, by group index
+        self.stepped: dict[int, int] = {}  # each live group's last committed step
+        self.inflight: dict[int, Future] = {}  # each live group's step call
+        self.joining: set[int] = set()  # replacements that have not committed a step yet
+        self.lighthouse = None
+        self.lighthouse_address: str | None = None
+        self.options: TrainOptions | None = None  # one group's options (its own dp)
+        self.run: RunPlan | None = None
+        self.plan_: PlacementPlan | None = None
+        self.replacements = 0
+        self._healths: dict[int, tuple] = {}
+        self._incarnation = 0
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=2 * self.count + 1,
+                                        thread_name_prefix="ringray-replicas")
+
+    def _group(self, index: int) -> RayWorkerGroup:
+        self._incarnation += 1
+        return RayWorkerGroup(self.job, _GroupRecord(self, index), should_stop=self.should_stop,
+                              name=f"ringray-{self.job.name}-replica{index}-"
+                                   f"{self._incarnation}")
+
+    def group_workers(self, index: int, healths: tuple) -> None:
+        with self._lock:
+            self._healths[index] = healths
+            merged = tuple(h for i in sorted(self._healths) for h in self._healths[i])
+        self.record.workers(merged)
+
+    # ----------------------------------------------------------------- placement
+    def plan(self, dp_choices: tuple[int, ...], *, avoid: frozenset[str]) -> PlacementPlan:
+        """``dp_replicate`` × dp rings in one plan (dp: the largest of ``dp_choices`` that
+        fits), so that rings spread over the failure domains together."""
+        plan = RayWorkerGroup(self.job, self.record, should_stop=self.should_stop).plan(
+            tuple(dp * self.count for dp in dp_choices), avoid=avoid)
+        domain = self.cluster.failure_domain
+        if domain:
+            labels = {n.node_id: n.labels.get(domain) for n in schedulable_nodes(
+                worker_resources=self.job.worker_resources, avoid=set(avoid))}
+            groups = [{labels.get(r.node_id) for r in part.ranks}
+                      for part in split_plan(plan, self.count)]
+            if len(set().union(*groups)) < self.count:
+                self.record.event(
+                    f"warning: parallel.dp_replicate: {self.count} replica groups over "
+                    f"{len(set().union(*groups))} {domain!r} failure domain(s); one domain's "
+                    f"loss can take more than one group (label the nodes' {domain!r})")
+        return plan
+
+    def feasible_dp(self, dp_choices: tuple[int, ...], *, avoid: frozenset[str]) -> int:
+        try:
+            return self.plan(dp_choices, avoid=avoid).dp // self.count
+        except PlacementError:
+            return 0
+
+    def ask_for_full_size(self) -> None:
+        RayWorkerGroup(self.job, self.record, should_stop=self.should_stop).ask_for_full_size()
+
+    def withdraw_request(self) -> None:
+        RayWorkerGroup(self.job, self.record, should_stop=self.should_stop).withdraw_request()
+
+    # ----------------------------------------------------------------- starting
+    def start(self, plan: PlacementPlan) -> None:
+        self._start_lighthouse()
+        self.plan_ = plan
+        groups = {index: self._group(index) for index in range(self.count)}
+        starts = {index: self._pool.submit(group.start, part)
+                  for (index, group), part in zip(groups.items(), split_plan(plan, self.count),
+                                                  strict=True)}
+        self.members = groups  # torn down together if any fails
+        for future in starts.values():
+            future.result()  # WorkerGroupFailure / JobError / StopRequested: to the machine
+
+    def _start_lighthouse(self) -> None:
+        if self.lighthouse is not None:
+            try:
+                ray.get(self.lighthouse.address.remote(), timeout=10)
+                return
+            except Exception as exc:
+                self.record.event(f"the torchft Lighthouse stopped answering ({exc}); "
+                                  f"starting a new one")
+                self._kill_lighthouse()
+        head = head_node_id()
+        strategy = (NodeAffinitySchedulingStrategy(node_id=head, soft=True) if head else None)
+        heartbeat_ms = round(self.cluster.replica_heartbeat_seconds * 1000)
+        self.lighthouse = ray.remote(Lighthouse).options(
+            num_cpus=0, scheduling_strategy=strategy,
+            name=f"ringray-{self.job.name}-lighthouse").remote(
+            min_replicas=1, join_timeout_ms=heartbeat_ms, heartbeat_timeout_ms=heartbeat_ms)
+        self.lighthouse_address = ray.get(self.lighthouse.address.remote(),
+                                          timeout=self.cluster.startup_timeout_seconds)
+        self.record.event(f"torchft Lighthouse at {self.lighthouse_address} for "
+                          f"{self.count} replica groups")
+
+    def run_plan(self, *, lineage: str | None) -> RunPlan:
+        return self.members[0].run_plan(lineage=lineage)
+
+    def _replica(self, index: int, group: RayWorkerGroup) -> ReplicaGroup:
+        timeout = max(1.0, self.cluster.step_timeout_seconds / 2)
+        return ReplicaGroup(index=index, count=self.count, lighthouse=self.lighthouse_address,
+                            store=group.address, timeout_seconds=timeout,
+                            quorum_timeout_seconds=self.cluster.step_timeout_seconds)
+
+    def build(self, options: TrainOptions, run: RunPlan) -> Restored:
+        """Every group opens its sessions and restores the same checkpoint (each reads it).
+        ``options`` are one group's (``parallel.dp`` its own rings)."""
+        self.options, self.run = options, run
+        builds = {index: self._pool.submit(group.build, self.options, run,
+                                           replica=self._replica(index, group))
+                  for index, group in self.members.items()}
+        restored = {index: future.result() for index, future in builds.items()}
+        self.stepped = {index: r.step for index, r in restored.items()}
+        return restored[0]
+
+    # ----------------------------------------------------------------- losing and replacing
+    def _lose(self, index: int, failure: Failure) -> None:
+        """Group ``index`` failed: tear it down alone, start its replacement in the
+        background (the others keep training)."""
+        group = self.members.pop(index)
+        self.stepped.pop(index, None)
+        self.inflight.pop(index, None)
+        self.joining.discard(index)
+        with self._lock:
+            self._healths.pop(index, None)
+        self.record.event(f"replica group {index} lost ({failure.kind.value}: {failure.detail});"
+                          f" {len(self.members)} of {self.count} train on without it")
+        group.teardown()
+        self.replacements += 1
+        if self.replacements > self.cluster.max_failures:
+            raise JobError(f"replica groups lost {self.replacements} times, more than "
+                           f"cluster.max_failures: {self.cluster.max_failures}; last: replica "
+                           f"group {index}, {failure.detail}")
+        if self.members:
+            self.pending[index] = self._pool.submit(self._replace, index)
+
+    def _replace(self, index: int) -> RayWorkerGroup:
+        """A new group ``index`` on the live nodes, built with no checkpoint: it heals from
+        a live peer at its first step."""
+        started = time.monotonic()
+        group = self._group(index)
+        try:
+            plan = self._plan_replacement(group)
+            group.start(plan)
+            group.build(self.options, RunPlan(lineage=self.run.lineage, restore=()),
+                        replica=self._replica(index, group))
+        except BaseException:
+            group.teardown()
+            raise
+        self.record.event(f"replica group {index} replaced in {time.monotonic() - started:.1f} "
+                          f"s; it heals from a live peer at its first step")
+        return group
+
+    def _plan_replacement(self, group: RayWorkerGroup) -> PlacementPlan:
+        """One group's rings on the live nodes' slots that the live groups leave free."""
+        used: dict[str, int] = {}
+        for member in list(self.members.values()):
+            if member.plan_ is not None:
+                for node, n in member.plan_.slots_by_node().items():
+                    used[node] = used.get(node, 0) + n
+        dp = self.options.parallel.dp
+        nodes = [replace(node, slots=node.slots - used.get(node.node_id, 0))
+                 for node in schedulable_nodes(worker_resources=self.job.worker_resources,
+                                               avoid=set())]
+        return plan_placement([n for n in nodes if n.slots > 0], cp=self.job.cp,
+                              dp_options=(dp,), failure_domain=self.cluster.failure_domain,
+                              ulysses=self.job.ulysses)
+
+    def _adopt(self) -> None:
+        """Replacements that have come up join the next step; failed ones are tried again."""
+        for index, future in list(self.pending.items()):
+            if not future.done():
+                continue
+            del self.pending[index]
+            try:
+                self.members[index] = future.result()
+                self.joining.add(index)
+            except (WorkerGroupFailure, JobError, PlacementError) as exc:
+                self.record.event(f"replica group {index}'s replacement did not start: {exc}; "
+                                  f"trying again")
+                self.pending[index] = self._pool.submit(self._replace, index)
+
+    # ----------------------------------------------------------------- training
+    def step(self, *, move_now: Callable[[Drain], str | None]) -> StepStats:
+        """One step the replica groups committed (a step none committed is run again).
+
+        Every live group has a step call in flight. The calls of the groups already training
+        are waited for; a group that joins (a replacement) waits inside its first call for a
+        quorum with theirs, heals there and trains that step with them, so its call is left
+        in flight, never waited on, until it returns."""
+        last_failure: Failure | None = None
+        for _ in range(UNCOMMITTED_ATTEMPTS):
+            self._adopt()
+            for index, group in self.members.items():
+                if index not in self.inflight:
+                    self.inflight[index] = self._pool.submit(group.step, move_now=move_now)
+            committed: list[tuple[int, StepStats]] = []
+            for index in sorted(self.members):
+                call = self.inflight[index]
+                if index in self.joining and not call.done():
+                    continue
+                del self.inflight[index]
+                try:
+                    stats = call.result()
+                except WorkerGroupFailure as exc:
+                    last_failure = exc.failure
+                    if len(self.members) == 1:
+                        raise  # the last group: the machine's recovery (checkpoint) path
+                    self._lose(index, exc.failure)
+                    continue
+                if stats.healed:
+                    self.record.event(f"replica group {index} healed from a live peer at step "
+                                      f"{stats.step} in {stats.heal_seconds:.2f} s")
+                if stats.committed:
+                    self.joining.discard(index)
+                    self.stepped[index] = stats.step
+                    committed.append((index, stats))
+            if committed:
+                return max(committed, key=lambda c: (c[1].step, -c[0]))[1]
+        raise WorkerGroupFailure(last_failure or Failure(
+            kind=FailureKind.HANG, detail=f"no replica group committed a step in "
+                                          f"{UNCOMMITTED_ATTEMPTS} attempts"))
+
+    def _current(self) -> list[tuple[int, RayWorkerGroup]]:
+        """Live groups at the newest committed step, lowest index first."""
+        newest = max(self.stepped.values(), default=0)
+        return [(i, self.members[i]) for i in sorted(self.members)
+                if self.stepped.get(i) == newest]
+
+    def _one_group(self, call: Callable[[RayWorkerGroup], object]) -> object:
+        """``call`` on the lowest current group; on its failure, the next one."""
+        failure = None
+        for index, group in self._current():
+            try:
+                return call(group)
+            except WorkerGroupFailure as exc:
+                failure = exc
+                if len(self.members) == 1:
+                    raise
+                self._lose(index, exc.failure)
+        raise failure or WorkerGroupFailure(Failure(kind=FailureKind.HANG,
+                                                    detail="no replica group is live"))
+
+    def checkpoint(self) -> Saved:
+        """One group saves; then every group at the current step compares its state with
+        it, rank for rank (weights, optimizer state, loader, RNG, step): a difference is
+        recorded as a warning naming the groups, never ignored."""
+        saved = self._one_group(lambda group: group.checkpoint())
+        current = self._current()
+        if len(current) > 1:
+            digests = {index: group.state_digests() for index, group in current}
+            first = next(iter(digests.values()))
+            differ = [index for index, d in digests.items() if d != first]
+            names = ", ".join(str(index) for index in digests)
+            if differ:
+                self.record.event(f"warning: replica groups {names} differ at step "
+                                  f"{saved.checkpoint.step}: group(s) "
+                                  f"{', '.join(map(str, differ))} hold another state than "
+                                  f"group {next(iter(digests))}")
+            else:
+                self.record.event(f"replica groups {names} hold identical state at step "
+                                  f"{saved.checkpoint.step} (digest {first[0][:12]})")
+        return saved
+
+    def evaluate(self) -> PasskeyReport | None:
+        return self._one_group(lambda group: group.evaluate())
+
+    def state_digests(self) -> dict[int, list[str]]:
+        """Each live group's ranks' state digests (equal between groups in step)."""
+        return {index: group.state_digests() for index, group in sorted(self.members.items())}
+
+    def poll(self) -> None:
+        self._adopt()
+        for index, group in list(self.members.items()):
+            try:
+                group.poll()
+            except WorkerGroupFailure as exc:
+                if len(self.members) == 1:
+                    raise
+                self._lose(index, exc.failure)
+
+    def take_drain(self) -> Drain | None:
+        for group in self.members.values():
+            drain = group.take_drain()
+            if drain is not None:
+                return drain
+        return None
+
+    # ----------------------------------------------------------------- teardown
+    def teardown(self) -> None:
+        """Every group, the replacements starting, and the workers' list; the Lighthouse
+        stays for the job's next start (:meth:`close` ends it)."""
+        for index, future in list(self.pending.items()):
+            try:
+                future.result(timeout=self.cluster.startup_timeout_seconds).teardown()
+            except Exception as exc:
+                self.record.event(f"replica group {index}'s replacement ended: {exc}")
+        self.pending.clear()
+        for group in self.members.values():
+            group.teardown()
+        for call in self.inflight.values():
+            call.cancel()
+        self.members, self.stepped, self.inflight, self.joining = {}, {}, {}, set()
+        with self._lock:
+            self._healths.clear()
+
+    def close(self) -> None:
+        """The job has ended: the groups and the Lighthouse go."""
+        self.teardown()
+        self._kill_lighthouse()
+        self._pool.shutdown(wait=False)
+
+    def _kill_lighthouse(self) -> None:
+        if self.lighthouse is not None:
+            try:
+                ray.kill(self.lighthouse, no_restart=True)
+            except Exception as exc:
+                self.record.event(f"the torchft Lighthouse could not be killed: {exc}",
+                                  exc=exc)
+            self.lighthouse, self.lighthouse_address = None, None

@@ -1,0 +1,110 @@
+"""Replica groups under ``ringray train`` (``parallel.dp_replicate``,
+:mod:`ringray.cluster.replica_groups`), on a real local multi-node Ray cluster: a node running
+one replica group dies; the other group's steps go on committing without it, no committed
+step is rolled back (no restart, no checkpoint restored), a replacement starts on a spare
+node and heals from the live group, and at the final checkpoint both groups hold identical
+state. The options' checks run without Ray.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from ray_cluster import cluster_options, finish, job_options, start_job, wait_until
+
+from ringray.cluster.job_options import JobOptions
+from ringray.cluster.placement import PlacementPlan, RankPlacement, RingCost
+from ringray.cluster.replica_groups import split_plan
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture()
+def nodes(local_cluster):
+    yield local_cluster
+    local_cluster.remove_all()
+
+
+def _steps(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
+
+
+# ----------------------------------------------------------------- without Ray
+def test_a_plan_splits_into_one_plan_per_replica_group_ranks_from_zero() -> None:
+    ranks = tuple(RankPlacement(rank=r, node_id=f"n{r // 2}", slot=r % 2) for r in range(8))
+    rings = tuple(RingCost(ring=i, ranks=(2 * i, 2 * i + 1), nodes=(f"n{i}",),
+                           cross_node_hops=0, step_transfer_seconds=None) for i in range(4))
+    plan = PlacementPlan(dp=4, cp=2, ranks=ranks, rings=rings)
+    first, second = split_plan(plan, 2)
+    assert (first.dp, first.cp, second.dp) == (2, 2, 2)
+    assert [r.node_id for r in second.ranks] == ["n2", "n2", "n3", "n3"]
+    assert [r.rank for r in second.ranks] == [0, 1, 2, 3]
+    assert [ring.ranks for ring in second.rings] == [(0, 1), (2, 3)]
+    with pytest.raises(ValueError, match=r"^parallel.dp_replicate: 3 does not divide"):
+        split_plan(plan, 3)
+
+
+def test_an_elastic_floor_with_replica_groups_is_one_line(tmp_path) -> None:
+    options = job_options(str(tmp_path), parallel={"dp": 2, "cp": 1, "dp_replicate": 2},
+                          train={"global_batch": 4})
+    with pytest.raises(ValueError, match=r"^cluster.dp_min: 1 with parallel.dp_replicate: 2; "
+                                         r"replica groups keep their size"):
+        JobOptions(name="r", train=options, cluster=cluster_options("t", dp_min=1))
+
+
+def test_capacity_counts_every_replica_groups_workers(tmp_path) -> None:
+    options = job_options(str(tmp_path), parallel={"dp": 1, "cp": 2, "dp_replicate": 2},
+                          train={"global_batch": 2})
+    job = JobOptions(name="r", train=options, cluster=cluster_options("t"))
+    job.check_capacity({"CPU": 4, "t": 4}, where="here")
+    with pytest.raises(ValueError, match="need 4 CPU, but here has 3"):
+        job.check_capacity({"CPU": 3, "t": 4}, where="here")
+
+
+# ----------------------------------------------------------------- on a cluster
+def test_a_dead_replica_groups_node_stops_no_step_and_its_replacement_heals(
+        nodes, tmp_path: Path) -> None:
+    """Two replica groups, each a ring of 2 on a node of its own, and a spare node. Group
+    1's node is killed mid-run: group 0's steps keep committing (alone: group 1's slices
+    dropped), no step is rolled back or logged twice, the job never restarts; a replacement
+    group 1 starts on the spare node, heals from group 0 and trains with it; at the last
+    checkpoint both groups hold identical state."""
+    tag = "slot_replicas"
+    for _ in range(3):
+        nodes.add_node(tag, slots=2)
+    run_dir = tmp_path / "run"
+    steps = 400
+    options = job_options(str(run_dir), parallel={"dp": 1, "cp": 2, "dp_replicate": 2},
+                          train={"steps": steps, "global_batch": 2, "log_every": 1000},
+                          checkpoint={"interval": 200})
+    controller = start_job("replicas", options, cluster_options(
+        tag, failure_domain=None, replica_heartbeat_seconds=1.0, max_failures=2))
+    status = wait_until(controller, lambda s: s.step >= 20, timeout=240,
+                        what="20 steps of both groups")
+    assert len(status.workers) == 4
+    doomed_id = status.workers[-1].node_id  # group 1's ranks come last
+    assert {w.node_id for w in status.workers[:2]} != {doomed_id}
+    doomed = next(n for n in nodes.nodes if n.node_id == doomed_id)
+    nodes.remove_node(doomed)
+    wait_until(controller, lambda s: any("healed from a live peer" in e.message
+                                         for e in s.events),
+               timeout=240, what="the replacement's heal")
+    status = finish(controller, timeout=300)
+
+    assert status.state == "finished", status.error
+    assert not status.restarts and status.failures_used == 0
+    events = [e.message for e in status.events]
+    assert any(m.startswith("replica group 1 lost (") for m in events), events
+    assert any("replica group 1 replaced in" in m for m in events), events
+    logged = _steps(run_dir)
+    assert [s["step"] for s in logged] == list(range(1, steps + 1))  # none rolled back
+    assert all(s["committed"] for s in logged)
+    alone = [s for s in logged if s["replicas_participating"] == [0]]
+    both = [s for s in logged if s["replicas_participating"] == [0, 1]]
+    assert alone and both[0]["step"] < alone[0]["step"] < both[-1]["step"]
+    assert all(s["samples_dropped"] == 1 for s in alone)
+    assert any(m.startswith(f"replica groups 0, 1 hold identical state at step {steps}")
+               for m in events), events
+    assert doomed_id not in {w.node_id for w in status.workers}
