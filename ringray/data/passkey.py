@@ -7,12 +7,21 @@ depth of the filler, and a closing question whose last tokens are the answer::
     The grass is green. The sky is blue. ... The pass key is 48213. Remember it. 48213 is
     the pass key. The sun is yellow. ... What is the pass key? The pass key is 48213
 
+The prompt is one text tokenized as a whole, as a model would see it in running text: a BPE
+writes ``green.`` ``␠The`` across a sentence boundary, not ``green.`` ``␠`` ``The``. The
+filler is trimmed at its front (only the sample's first sentence may be cut, or, with the
+needle first, the sentence after it) so the sample has exactly ``seq_len`` tokens, and its
+tokens are what the tokenizer makes of its own decoded text (``encode(decode(tokens)) ==
+tokens``).
+
 Evaluation is teacher-forced: one forward pass over the whole sample, and the model's argmax
 next-token predictions at the answer positions are decoded and compared with the answer's
 text. No generation loop is needed, so it works unchanged under context parallelism, where
 each rank holds a shard of the sequence and autoregressive decoding would be awkward. The
-answer is whichever tokens the tokenizer makes of the key (one per digit for bytes; a
-BPE may use multi-digit tokens such as ``482`` ``13``), so it is scored on decoded text.
+answer is whichever tokens the tokenizer makes of the key (one per digit for bytes and
+SmolLM2; a BPE may use multi-digit tokens such as ``482`` ``13``), so it is scored on decoded
+text. :func:`check_passkey_tokenizer` says whether a tokenizer writes keys in a way this
+scoring can read.
 
     >>> report = evaluate_passkey(predict, ByteTokenizer(), lengths=[4096, 16384],
     ...                           depths=[0.0, 0.5, 1.0], samples_per_cell=8, seed=0)
@@ -25,6 +34,7 @@ argmax ids (position ``i`` predicts token ``i + 1``); it moves data to its own d
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 import random
 from collections.abc import Callable, Sequence
@@ -32,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ringray.data.tokenizer import Tokenizer
+from ringray.data.tokenizer import Tokenizer, encode_with_offsets
 
 PASSKEY_FILLER = (
     "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -49,6 +59,13 @@ PASSKEY_DIGIT_CHANCE = 0.1
 """Per-digit accuracy of a model that guesses uniformly among the ten digits."""
 
 _SENTENCE_END = ". "
+_SENTENCES = tuple(text + _SENTENCE_END for text in PASSKEY_FILLER.split(_SENTENCE_END) if text)
+
+_PLACEMENT_TRIES = 8
+"""Needle positions a sample tries, nearest the requested depth first, until its tokens
+round-trip: the filler's front is cut at a token, and with a tokenizer that splits a word
+into several tokens a cut word's tail may re-tokenize differently (never for bytes, nor for
+SmolLM2, whose filler words are one token each)."""
 
 
 def _needle_text(passkey: str) -> str:
@@ -72,11 +89,46 @@ def passkey_chance_accuracy(digits: int) -> float:
     return 10.0**-digits
 
 
+def _encode_marks(
+    tokenizer: Tokenizer, text: str, marks: Sequence[int]
+) -> tuple[list[int], list[int]]:
+    """``text`` tokenized as a whole, and for each character offset in ``marks`` the index of
+    the first token that ends after it: the token where the text from that offset begins (a
+    BPE's ``␠The`` begins the sentence ``The ...``, though it holds the space before it)."""
+    ids, spans = encode_with_offsets(tokenizer, text)
+    ends = [end for _, end in spans]
+    return ids, [bisect.bisect_right(ends, mark) for mark in marks]
+
+
+@dataclass(frozen=True)
+class _PromptTokens:
+    """Token counts of a prompt's parts where a sample has them: between filler sentences."""
+
+    needle: int
+    question: int
+    unit: int
+    """Tokens of one :data:`PASSKEY_FILLER` (five sentences)."""
+    ids: tuple[int, ...]
+    """The tokens of ``filler + needle + filler + question``."""
+    needle_span: tuple[int, int]
+    question_start: int
+
+
+def _prompt_tokens(tokenizer: Tokenizer, passkey: str) -> _PromptTokens:
+    needle, question = _needle_text(passkey), _question_text(passkey)
+    text = PASSKEY_FILLER + needle + PASSKEY_FILLER + question
+    first = len(PASSKEY_FILLER)
+    ids, (start, end, question_start) = _encode_marks(
+        tokenizer, text, (first, first + len(needle), len(text) - len(question)))
+    return _PromptTokens(needle=end - start, question=len(ids) - question_start, unit=start,
+                         ids=tuple(ids), needle_span=(start, end),
+                         question_start=question_start)
+
+
 def _prompt_lengths(tokenizer: Tokenizer, passkey: str) -> tuple[int, int]:
-    """Tokens of the needle and of the question for ``passkey``."""
-    needle = tokenizer.encode(_needle_text(passkey))
-    question = tokenizer.encode(_question_text(passkey))
-    return len(needle), len(question)
+    """Tokens of the needle and of the question for ``passkey``, in a sample's context."""
+    counts = _prompt_tokens(tokenizer, passkey)
+    return counts.needle, counts.question
 
 
 def passkey_min_seq_len(tokenizer: Tokenizer, passkey_length: int) -> int:
@@ -84,7 +136,8 @@ def passkey_min_seq_len(tokenizer: Tokenizer, passkey_length: int) -> int:
 
     Exact for the byte tokenizer. For others, the key's three copies may tokenize into a
     different number of tokens for different keys, so this is the longest of the ten
-    one-digit-repeated keys plus room for up to one token per digit in each copy.
+    one-digit-repeated keys plus room for up to one token per digit in each copy (which
+    :func:`check_passkey_tokenizer` checks a tokenizer keeps to).
     """
     if tokenizer.byte_level:
         return sum(_prompt_lengths(tokenizer, "0" * passkey_length)) + MIN_FILLER_TOKENS
@@ -102,48 +155,100 @@ class PasskeySample:
     answer_start: int
     """Index of the first answer token; the answer runs to the end of ``tokens``."""
     needle_start: int
-    """Index of the first token of the needle sentence."""
+    """Index of the first token of the needle sentence (a BPE's ``␠The``, which holds the
+    space before it, unless the needle opens the sample)."""
     passkey: str
     depth: float
     """Requested fractional depth of the needle in the filler (0 = start, 1 = end)."""
     seq_len: int
 
 
-def _filler_stream(tokenizer: Tokenizer, length: int) -> tuple[list[int], list[int]]:
-    """``length`` filler tokens ending on a whole sentence, and their sentence boundaries.
+@dataclass(frozen=True)
+class _Filler:
+    """Filler sentences ending right before the question, tokenized as a whole once.
 
-    Each filler sentence is tokenized on its own, so sentence boundaries are token
-    boundaries for any tokenizer. The repeated filler is trimmed at the *front*, so the
-    text before the question ends cleanly and only the sample's first sentence may be cut.
-    Boundaries are the positions where a needle can go without splitting a sentence
-    (always including 0 and ``length``).
+    ``boundaries[i]`` is the token where sentence ``i`` begins (``boundaries[-1]``: where the
+    question begins), so the last ``q`` sentences hold ``boundaries[-1] - boundaries[-1 - q]``
+    tokens in a sample's text.
     """
-    sentences = [text + _SENTENCE_END for text in PASSKEY_FILLER.split(_SENTENCE_END) if text]
-    unit: list[int] = []
-    unit_boundaries = []
-    for sentence in sentences:
-        unit_boundaries.append(len(unit))
-        unit.extend(tokenizer.encode(sentence))
-    copies = -(-length // len(unit))
-    start = copies * len(unit) - length
-    stream = (unit * copies)[start:]
-    boundaries = {0, length}
-    for copy in range(copies):
-        for b in unit_boundaries:
-            position = copy * len(unit) + b - start
-            if 0 <= position <= length:
-                boundaries.add(position)
-    return stream, sorted(boundaries)
+
+    text: str
+    """The sentences, without the question."""
+    starts: tuple[int, ...]
+    """Character offset of each sentence in ``text``, and ``len(text)`` last."""
+    boundaries: tuple[int, ...]
+
+    @classmethod
+    def build(cls, tokenizer: Tokenizer, copies: int) -> _Filler:
+        """``copies`` of :data:`PASSKEY_FILLER`, tokenized with the question's first words
+        after them (any key's question starts so); cached for hashable tokenizers, since every
+        sample of one length and tokenizer uses the same filler."""
+        try:
+            return _cached_filler(tokenizer, copies)
+        except TypeError:  # an unhashable tokenizer
+            return cls._tokenized(tokenizer, copies)
+
+    @classmethod
+    def _tokenized(cls, tokenizer: Tokenizer, copies: int) -> _Filler:
+        text = PASSKEY_FILLER * copies
+        starts = [0]
+        for i in range(len(_SENTENCES) * copies):
+            starts.append(starts[-1] + len(_SENTENCES[i % len(_SENTENCES)]))
+        _, boundaries = _encode_marks(tokenizer, text + _question_text(""), starts)
+        return cls(text=text, starts=tuple(starts), boundaries=tuple(boundaries))
+
+    def placements(self, filler_length: int) -> list[tuple[int, int | None]]:
+        """``(needle position, sentences after it)`` for each sentence boundary within the
+        last ``filler_length`` filler tokens, and ``(0, None)``: the needle first, the
+        filler's front cut after it."""
+        last = self.boundaries[-1]
+        found: list[tuple[int, int | None]] = []
+        for after in range(len(self.boundaries)):
+            position = filler_length - (last - self.boundaries[-1 - after])
+            if position < 0:
+                break
+            found.append((position, after))
+        if all(position != 0 for position, _ in found):
+            found.append((0, None))
+        return found
 
 
-def _nearest(sorted_values: list[int], target: float) -> int:
-    """The value closest to ``target`` (ties go to the smaller), monotone in ``target``."""
-    i = bisect.bisect_left(sorted_values, target)
-    candidates = sorted_values[max(i - 1, 0) : i + 1]
-    return min(candidates, key=lambda v: (abs(v - target), v))
+@functools.lru_cache(maxsize=8)
+def _cached_filler(tokenizer: Tokenizer, copies: int) -> _Filler:
+    return _Filler._tokenized(tokenizer, copies)
 
 
-def _answer_offset(tokenizer: Tokenizer, question: list[int], passkey: str) -> int:
+def _assemble(
+    tokenizer: Tokenizer, filler: _Filler, *, seq_len: int, after: int | None, passkey: str
+) -> tuple[list[int], int, int] | None:
+    """``(tokens, needle_start, question_start)`` of the sample whose needle has ``after``
+    filler sentences behind it (``None``: the needle first), or ``None`` when it does not
+    come to exactly ``seq_len`` tokens that round-trip through decode and encode."""
+    needle, question = _needle_text(passkey), _question_text(passkey)
+    if after is None:  # needle, filler, question: cut the filler's front, after the needle
+        text = needle + filler.text + question
+        ids, (start, end, question_start) = _encode_marks(
+            tokenizer, text, (0, len(needle), len(text) - len(question)))
+        cut = len(ids) - seq_len
+        if not 0 <= cut <= question_start - end:
+            return None
+        tokens = ids[:end] + ids[end + cut:]
+    else:  # filler, needle, filler, question: cut the text's front
+        split = filler.starts[-1 - after]
+        text = filler.text[:split] + needle + filler.text[split:] + question
+        ids, (start, end, question_start) = _encode_marks(
+            tokenizer, text, (split, split + len(needle), len(text) - len(question)))
+        cut = len(ids) - seq_len
+        if not 0 <= cut <= start:
+            return None
+        tokens = ids[cut:]
+        start -= cut
+    if not tokenizer.byte_level and tokenizer.encode(tokenizer.decode(tokens)) != tokens:
+        return None
+    return tokens, start, question_start - cut
+
+
+def _answer_offset(tokenizer: Tokenizer, question: Sequence[int], passkey: str) -> int:
     """Index in ``question`` of the first answer token: the shortest tail of the question's
     tokens whose text holds the whole key (a byte tokenizer: the last ``len(passkey)``)."""
     for start in range(len(question) - 1, -1, -1):
@@ -158,9 +263,14 @@ def make_passkey_sample(
 ) -> PasskeySample:
     """Build a sample of exactly ``seq_len`` tokens with the needle at ``depth`` of the filler.
 
-    The needle goes at the sentence boundary nearest ``depth * filler_tokens``, so depth 0.0
-    puts it first and depth 1.0 right before the question. Raises ValueError when
-    ``seq_len`` cannot hold needle, question and :data:`MIN_FILLER_TOKENS` of filler.
+    The prompt's text is tokenized as a whole (see the module's docstring). The needle goes
+    at the sentence boundary nearest ``depth * filler_tokens``, so depth 0.0 puts it first and
+    depth 1.0 right before the question; should the nearest not round-trip (a cut word, see
+    :data:`_PLACEMENT_TRIES`), the next nearest. Raises ValueError when ``seq_len`` cannot
+    hold needle, question and :data:`MIN_FILLER_TOKENS` of filler.
+
+    Cost: two tokenizations of about ``seq_len`` tokens (the sample, and its round trip) and,
+    the first time a tokenizer makes a sample of this length, a third (the filler's).
     """
     if not passkey:
         raise ValueError("passkey: must be a non-empty string")
@@ -173,26 +283,61 @@ def make_passkey_sample(
             f"{len(passkey)}-character key; the minimum is {minimum} (needle + question + "
             f"{MIN_FILLER_TOKENS} filler tokens)"
         )
-    needle = tokenizer.encode(_needle_text(passkey))
-    question = tokenizer.encode(_question_text(passkey))
-    filler_length = seq_len - len(needle) - len(question)
+    counts = _prompt_tokens(tokenizer, passkey)
+    filler_length = seq_len - counts.needle - counts.question
     if filler_length < MIN_FILLER_TOKENS:
         raise ValueError(
             f"seq_len: {seq_len} leaves {filler_length} filler tokens for key {passkey!r}; "
             f"at least {MIN_FILLER_TOKENS} are needed"
         )
-    answer_start = seq_len - len(question) + _answer_offset(tokenizer, question, passkey)
-    filler, boundaries = _filler_stream(tokenizer, filler_length)
-    cut = _nearest(boundaries, depth * filler_length)
-    ids = filler[:cut] + needle + filler[cut:] + question
-    return PasskeySample(
-        tokens=torch.tensor(ids, dtype=torch.long),
-        answer_start=answer_start,
-        needle_start=cut,
-        passkey=passkey,
-        depth=float(depth),
-        seq_len=seq_len,
+    # Room for the filler plus two spare copies, so its front can always be cut.
+    copies = filler_length // max(counts.unit, 1) + 3
+    filler = _Filler.build(tokenizer, copies)
+    target = depth * filler_length
+    placements = sorted(filler.placements(filler_length),
+                        key=lambda placement: (abs(placement[0] - target), placement[0]))
+    for _, after in placements[:_PLACEMENT_TRIES]:
+        built = _assemble(tokenizer, filler, seq_len=seq_len, after=after, passkey=passkey)
+        if built is None:
+            continue
+        tokens, needle_start, question_start = built
+        answer_start = question_start + _answer_offset(
+            tokenizer, tokens[question_start:], passkey)
+        return PasskeySample(
+            tokens=torch.tensor(tokens, dtype=torch.long),
+            answer_start=answer_start,
+            needle_start=needle_start,
+            passkey=passkey,
+            depth=float(depth),
+            seq_len=seq_len,
+        )
+    raise ValueError(
+        f"tokenizer: no passkey sample of {seq_len} tokens at depth {depth} whose tokens "
+        f"survive decode and encode unchanged (tried the {_PLACEMENT_TRIES} needle positions "
+        f"nearest it); the tokenizer re-tokenizes the cut filler differently"
     )
+
+
+def _digit_runs(
+    tokenizer: Tokenizer, ids: Sequence[int], limit: int | None = None
+) -> list[tuple[int, int]]:
+    """``(start, end)`` of each run of consecutive tokens whose decoded text holds a digit;
+    with ``limit``, only the first ``limit`` runs (reading no further than their end)."""
+    runs: list[tuple[int, int]] = []
+    for i, token in enumerate(ids):
+        if any(c.isdigit() for c in tokenizer.decode([token])):
+            if runs and runs[-1][1] == i:
+                runs[-1] = (runs[-1][0], i + 1)
+            else:
+                runs.append((i, i + 1))
+        elif limit is not None and len(runs) == limit:
+            break
+    return runs
+
+
+def _digits_of(tokenizer: Tokenizer, ids: Sequence[int]) -> str:
+    """The digits of ``ids`` decoded one token at a time, as :func:`score_answer` reads them."""
+    return "".join(c for token in ids for c in tokenizer.decode([token]) if c.isdigit())
 
 
 def passkey_retrieval_mask(tokenizer: Tokenizer, sample: PasskeySample) -> list[bool]:
@@ -202,21 +347,79 @@ def passkey_retrieval_mask(tokenizer: Tokenizer, sample: PasskeySample) -> list[
     the needle, anywhere in the context). The first copy of the key is random, and the
     filler and the fixed sentences are predictable without looking back for the key.
 
-    The repeat is the second run of digit-holding tokens in the needle, so this holds for
-    tokenizers that merge digits (``482`` ``13``) as well as for bytes.
+    The repeat is the second run of digit-holding tokens from the needle's start, so this
+    holds for tokenizers that merge digits (``482`` ``13``) as well as for bytes.
     """
     tokens = sample.tokens.tolist()
     mask = [False] * len(tokens)
-    needle_length = len(tokenizer.encode(_needle_text(sample.passkey)))
-    runs, previous_has_digit = 0, False
-    for i in range(sample.needle_start, sample.needle_start + needle_length):
-        has_digit = any(c.isdigit() for c in tokenizer.decode([tokens[i]]))
-        runs += has_digit and not previous_has_digit
-        mask[i] = has_digit and runs == 2
-        previous_has_digit = has_digit
+    runs = _digit_runs(tokenizer, tokens[sample.needle_start : sample.answer_start], limit=2)
+    if len(runs) >= 2:
+        start, end = runs[1]
+        for i in range(sample.needle_start + start, sample.needle_start + end):
+            mask[i] = True
     for i in range(sample.answer_start, len(tokens)):
         mask[i] = True
     return mask
+
+
+def _probe_keys(digits: int) -> list[str]:
+    """Keys that put every digit at every position, beside itself and beside the digits
+    above and below it: ``00000``..``99999``, ``01234``..``90123``, ``09876``..``98765``."""
+    keys = [d * digits for d in "0123456789"]
+    for step in (1, -1):
+        keys += ["".join(str((first + step * i) % 10) for i in range(digits))
+                 for first in range(10)]
+    return list(dict.fromkeys(keys))
+
+
+def _key_problem(tokenizer: Tokenizer, key: str) -> str | None:
+    """What about ``key``'s tokens in a sample's context the passkey task cannot read, or
+    ``None``."""
+    counts = _prompt_tokens(tokenizer, key)
+    question = counts.ids[counts.question_start:]
+    decoded = tokenizer.decode(question)
+    if key not in decoded:
+        return f"the key {key} does not come back from its tokens (the question decodes to " \
+               f"{decoded[-40:]!r})"
+    answer = question[_answer_offset(tokenizer, question, key):]
+    pieces = [tokenizer.decode([token]) for token in answer]
+    if tokenizer.decode(answer).lstrip() != key:
+        return f"the key {key} shares a token with the text before it: the answer's " \
+               f"tokens are {pieces}"
+    if _digits_of(tokenizer, answer) != key:
+        return f"the key {key}'s tokens {pieces}, each decoded alone as the per-digit score " \
+               f"reads them, spell {_digits_of(tokenizer, answer)!r}"
+    if len(answer) > len(key):
+        return f"the key {key} takes {len(answer)} tokens {pieces}, more than one per digit"
+    start, end = counts.needle_span
+    needle = counts.ids[start:end]
+    copies = [_digits_of(tokenizer, needle[a:b]) for a, b in _digit_runs(tokenizer, needle)]
+    if copies != [key, key]:
+        return f"the needle {_needle_text(key).strip()!r} holds the key's digits as the " \
+               f"token runs {copies}, not as two runs that each spell {key}"
+    return None
+
+
+def check_passkey_tokenizer(tokenizer: Tokenizer, digits: int = PASSKEY_DIGITS) -> None:
+    """Raise ``ValueError`` (one line) unless ``tokenizer`` writes pass keys of ``digits``
+    digits the way the passkey task reads them, where a sample has them:
+
+    - the key comes back from its tokens (decode of encode keeps the digits);
+    - the answer, the shortest tail of the question's tokens whose text holds the key, holds
+      nothing else but whitespace before it (no token joins a digit to a word);
+    - its tokens, each decoded alone, spell the key's digits in order (how
+      :func:`score_answer` counts digits); one digit or several a token are both fine;
+    - the key takes at most one token per digit (the room :func:`passkey_min_seq_len`
+      leaves);
+    - the needle holds the key as two runs of digit tokens, each spelling the key (how
+      :func:`passkey_retrieval_mask` finds the repeat).
+
+    Probed with keys that put every digit at every position (:func:`_probe_keys`).
+    """
+    for key in _probe_keys(digits):
+        problem = _key_problem(tokenizer, key)
+        if problem is not None:
+            raise ValueError(problem)
 
 
 @dataclass(frozen=True)

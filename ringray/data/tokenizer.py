@@ -122,6 +122,19 @@ class ByteTokenizer:
         """Token ids of raw bytes: one id per byte, so ``len`` is preserved."""
         return list(data)
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """:meth:`encode`, and each token's ``(start, end)`` character span in ``text`` (every
+        byte of a multi-byte character spans the whole character)."""
+        if text.isascii():
+            return list(text.encode("ascii")), [(i, i + 1) for i in range(len(text))]
+        ids: list[int] = []
+        spans: list[tuple[int, int]] = []
+        for i, char in enumerate(text):
+            data = char.encode("utf-8")
+            ids.extend(data)
+            spans.extend([(i, i + 1)] * len(data))
+        return ids, spans
+
     def save_hf(self, directory: str) -> None:
         """Write this tokenizer as a Hugging Face ``tokenizer.json`` (+ tokenizer_config.json)
         that encodes every text to the same ids, so a model trained on bytes and exported
@@ -167,6 +180,29 @@ def _check_ids(ids: Iterable[int], vocab_size: int) -> list[int]:
         if token < 0 or token >= vocab_size:
             raise ValueError(f"ids: token id {token} is outside the vocabulary [0, {vocab_size})")
     return checked
+
+
+def encode_with_offsets(tokenizer: Tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """``tokenizer.encode(text)`` and each token's ``(start, end)`` character span in ``text``.
+
+    Uses the tokenizer's own ``encode_with_offsets`` (:class:`ByteTokenizer`,
+    :class:`HFTokenizer`); for another :class:`Tokenizer`, spans come from decoding each token
+    alone, which needs a tokenizer whose tokens decode to consecutive pieces of ``text``
+    (``ValueError`` otherwise).
+    """
+    method = getattr(tokenizer, "encode_with_offsets", None)
+    if method is not None:
+        return method(text)
+    ids = tokenizer.encode(text)
+    spans, position = [], 0
+    for token in ids:
+        piece = tokenizer.decode([token])
+        if text[position : position + len(piece)] != piece:
+            raise ValueError(f"tokenizer: {type(tokenizer).__name__} has no encode_with_offsets "
+                             f"and its tokens do not decode to consecutive pieces of the text")
+        spans.append((position, position + len(piece)))
+        position += len(piece)
+    return ids, spans
 
 
 def _json_object(text: str, where: str) -> dict:
@@ -298,6 +334,11 @@ class HFTokenizer:
 
     def encode_bytes(self, data: bytes) -> list[int]:
         return self.encode(data.decode("utf-8", errors="replace"))
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """:meth:`encode`, and each token's ``(start, end)`` character span in ``text``."""
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        return encoding.ids, list(encoding.offsets)
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tokenizer.decode(_check_ids(ids, self.vocab_size), skip_special_tokens=True)

@@ -36,6 +36,7 @@ from ringray.data import (
     Tokenizer,
     passkey_min_seq_len,
 )
+from ringray.data.passkey import check_passkey_tokenizer
 from ringray.model import ModelConfig
 from ringray.model.llama import ActivationCheckpointing
 
@@ -339,8 +340,25 @@ def check_ulysses_model(model: ModelConfig, parallel: ParallelOptions) -> None:
 
 
 def check_token_budget(options: TrainOptions, tokenizer: Tokenizer) -> None:
-    """Raise ``ValueError`` naming the field unless every passkey length (and, with passkey
-    training data, the sequence length) holds a passkey prompt in ``tokenizer``'s tokens."""
+    """Raise ``ValueError`` naming the field unless ``tokenizer`` writes pass keys the way the
+    passkey task reads them (:func:`~ringray.data.passkey.check_passkey_tokenizer`), where the
+    job evaluates or trains on pass keys, and every passkey length (and, with passkey training
+    data, the sequence length) holds a passkey prompt in its tokens."""
+    users = ([(f"eval.passkey_lengths: {list(options.eval.passkey_lengths)} score",
+               "eval.passkey_lengths: []")] if options.eval.passkey_lengths else [])
+    if options.data.source in ("passkey", "passkey_retrieval"):
+        users.append((f"data.source: {options.data.source!r} trains on", "another data.source"))
+    if users:
+        try:
+            check_passkey_tokenizer(tokenizer, PASSKEY_DIGITS)
+        except ValueError as exc:
+            field, instead = users[0]
+            raise ValueError(
+                f"{field} {PASSKEY_DIGITS}-digit pass keys, which needs a tokenizer that "
+                f"writes a key as tokens of its digits alone (one or several digits a token, "
+                f"at most one token per digit, decoding back to the key), but {exc}; use a "
+                f"model.from_pretrained whose tokenizer does, or {instead}"
+            ) from None
     minimum = passkey_min_seq_len(tokenizer, PASSKEY_DIGITS)
     short = [n for n in options.eval.passkey_lengths if n < minimum]
     if short:
