@@ -39,6 +39,7 @@ import ray
 import torch
 import yaml
 from distributed import run_gloo_ranks
+from real_model_cases import assert_grads_close, assert_logits_close
 from typer.testing import CliRunner
 
 from ringray.bench.parity import (
@@ -56,8 +57,6 @@ from ringray.model.gguf_import import SOURCE_FILE, cached_model
 from ringray.spec import load_job_spec
 
 SEQ = 264
-LOGITS_ATOL = 2e-4
-GRAD_ATOL_OF_MAX = 3e-4
 
 
 @pytest.fixture(scope="session")
@@ -76,21 +75,6 @@ def tokens(smollm2: str) -> torch.Tensor:
 def reference(smollm2: str, tokens: torch.Tensor) -> Result:
     """transformers' logits and gradients (float32, SDPA attention)."""
     return transformers_reference(smollm2, tokens)
-
-
-def assert_logits_close(ours: torch.Tensor, reference: Result, mode: str) -> None:
-    torch.testing.assert_close(ours, reference.logits, atol=LOGITS_ATOL, rtol=0,
-                               msg=lambda m: f"{mode}: logits: {m}")
-
-
-def assert_grads_close(ours: dict[str, torch.Tensor], reference: Result, mode: str) -> None:
-    """Every parameter's gradient (tied lm_head: the embedding's), within GRAD_ATOL_OF_MAX of
-    the tensor's largest reference entry."""
-    assert set(ours) == set(reference.grads)
-    for name, grad in ours.items():
-        scale = reference.grads[name].abs().max().item()
-        torch.testing.assert_close(grad, reference.grads[name], atol=GRAD_ATOL_OF_MAX * scale,
-                                   rtol=0, msg=lambda m, n=name: f"{mode}: grad of {n}: {m}")
 
 
 def test_the_converted_checkpoint_is_smollm2_135m(smollm2: str) -> None:
