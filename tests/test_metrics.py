@@ -120,6 +120,38 @@ def test_state_is_one_hot_and_restarts_count_by_reason() -> None:
     assert samples[("ringray_resizes_total", (("job", "j"),))] == 1
 
 
+def test_replica_groups_count_degraded_steps_drops_losses_and_heals() -> None:
+    """Two replica groups: a step both took is not degraded; one group alone is (its slice,
+    2 sequences, dropped); a loss counts by reason, a heal with its seconds."""
+    from dataclasses import replace
+
+    metrics = JobMetrics("j")
+    metrics.target(8, replica_groups=2)
+    metrics.step(replace(_stats(step=1), replicas_participating=[0, 1], quorum_size=2))
+    metrics.step(replace(_stats(step=2), replicas_participating=[0], quorum_size=1,
+                         samples_dropped=2))
+    metrics.replica_lost("node_died")
+    metrics.replica_healed(0.25)
+    samples = _samples(metrics)
+
+    def value(name: str, **labels: str) -> float:
+        return samples[(name, tuple(sorted({"job": "j", **labels}.items())))]
+
+    assert value("ringray_replica_groups") == 2
+    assert value("ringray_replica_groups_participating") == 1
+    assert value("ringray_replica_degraded_steps_total") == 1
+    assert value("ringray_replica_samples_dropped_total") == 2
+    assert value("ringray_replica_groups_lost_total", reason="node_died") == 1
+    assert value("ringray_replica_groups_lost_total", reason="hang") == 0
+    assert value("ringray_replica_heals_total") == 1
+    assert value("ringray_replica_heal_duration_seconds_sum") == 0.25
+    # Without replica groups a step is one group of one: never degraded.
+    plain = JobMetrics("j")
+    plain.target(4)
+    plain.step(_stats())
+    assert _samples(plain)[("ringray_replica_degraded_steps_total", (("job", "j"),))] == 0
+
+
 def test_a_new_placement_drops_the_old_ranks() -> None:
     """After a shrink from 4 ranks to 2, ranks 2 and 3 are gone rather than frozen."""
     metrics = JobMetrics("j")

@@ -408,8 +408,12 @@ def format_status_line(status) -> str:
     """step, loss, tokens/s, overlap, peer wait, imbalance, world size, restarts: the live
     line."""
     stats = status.last_stats
-    world = f"world {status.world_size}/{status.target_dp * status.cp}"
+    groups = status.replica_groups
+    world = f"world {status.world_size}/{groups * status.target_dp * status.cp}"
     restarts = f"restarts {len(status.restarts)}"
+    if groups > 1:  # replica groups in the last step's quorum, and groups lost so far
+        taking = len(stats.replicas_participating) if stats is not None else 0
+        restarts += f"  replicas {taking}/{groups} (lost {len(status.replica_losses)})"
     if stats is None:
         return f"{world}  {restarts}"
     return (f"loss {stats.loss:.4f}  {stats.tokens_per_second:,.0f} tok/s  "
@@ -431,6 +435,16 @@ def _report_end(status, run_dir: str) -> None:
                 f"{r.recovery_seconds:.1f}" if r.recovery_seconds is not None else "-",
                 f"{r.world_size_before} → {_or_dash(r.world_size_after)}",
             )
+        out.print(table)
+    if status.replica_losses:
+        table = Table(title="replica groups lost (the others trained on; no step rolled back)",
+                      title_justify="left")
+        for col in ("group", "reason", "at step", "healed at step", "heal s"):
+            table.add_column(col, justify="right")
+        for loss in status.replica_losses:
+            table.add_row(str(loss.group), loss.reason, str(loss.at_step),
+                          _or_dash(loss.healed_at_step),
+                          f"{loss.heal_seconds:.2f}" if loss.heal_seconds is not None else "-")
         out.print(table)
     if status.state == "failed":
         fail(f"job {status.job_name!r} failed at step {status.step}: {status.error}")

@@ -33,11 +33,11 @@ import ray
 
 from ringray.cluster.controller import JobController
 from ringray.cluster.job_options import JobOptions
+from ringray.cluster.nodes import HEAD_NODE_RESOURCE
 from ringray.cluster.status import JobStatus
 
 NAMESPACE = "ringray"
 # Ray's built-in resource on the head node: a sliver of it pins the controller there.
-_HEAD_NODE_RESOURCE = "node:__internal_head__"
 PROBE_SECONDS = 5.0
 """How long :func:`connect` waits for a TCP answer at a cluster's address before giving up
 (Ray's own connection attempts go on for minutes without a word)."""
@@ -176,7 +176,7 @@ def start_controller(job: JobOptions) -> tuple[object, bool]:
     handle = ray.remote(JobController).options(
         name=controller_name(job.name), namespace=NAMESPACE, lifetime="detached",
         max_concurrency=4,  # status() and stop() answer while the machine's thread works
-        num_cpus=0, resources={_HEAD_NODE_RESOURCE: 0.001}, max_restarts=0,
+        num_cpus=0, resources={HEAD_NODE_RESOURCE: 0.001}, max_restarts=0,
     ).remote(job)
     ray.get(handle.start.remote())
     return handle, False

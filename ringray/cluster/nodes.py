@@ -18,6 +18,7 @@ import ray
 from ringray.cluster.placement import NodeSnapshot
 
 NODE_ID_LABEL = "ray.io/node-id"  # Ray's built-in label, usable in bundle label selectors
+HEAD_NODE_RESOURCE = "node:__internal_head__"  # every Ray head node offers it: pins an actor there
 
 
 def worker_slots(total: Mapping[str, float], worker_resources: Mapping[str, float]) -> int:

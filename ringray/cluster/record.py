@@ -24,7 +24,14 @@ from pathlib import Path
 from ringray.cluster.job_options import JobOptions
 from ringray.cluster.placement import PlacementPlan
 from ringray.cluster.policy import Failure
-from ringray.cluster.status import Event, JobState, JobStatus, Restart, WorkerHealth
+from ringray.cluster.status import (
+    Event,
+    JobState,
+    JobStatus,
+    ReplicaLoss,
+    Restart,
+    WorkerHealth,
+)
 from ringray.data import PasskeyReport
 from ringray.metrics.exporter import JobMetrics
 from ringray.train import CheckpointRef, StepStats
@@ -50,6 +57,7 @@ class JobRecord:
         self._plan: PlacementPlan | None = None
         self._workers: tuple[WorkerHealth, ...] = ()
         self._restarts: list[Restart] = []
+        self._replica_losses: list[ReplicaLoss] = []
         self._awaiting_first_step: int | None = None  # index of a restart not yet recovered
         self._failures_used = 0
         self._resizes = 0
@@ -58,7 +66,7 @@ class JobRecord:
         self._events: list[Event] = []
         self._held: list[dict] | None = None  # events not yet written (see hold_events)
         if metrics is not None:
-            metrics.target(job.dp_max * job.cp)
+            metrics.target(job.replicas * job.dp_max * job.cp, replica_groups=job.replicas)
             metrics.state(self._state.value)
 
     # ----------------------------------------------------------------- events and state
@@ -147,6 +155,30 @@ class JobRecord:
                    f"{step}" + (f", restored {restored.location}" if restored else ""))
 
     # ----------------------------------------------------------------- training
+    def replica_lost(self, index: int, *, reason: str, detail: str, left: int) -> None:
+        """Replica group ``index`` was torn down; ``left`` groups train on without it."""
+        self.event(f"replica group {index} lost ({reason}: {detail}); {left} of "
+                   f"{self.job.replicas} train on without it")
+        with self._lock:
+            self._replica_losses.append(ReplicaLoss(group=index, reason=reason,
+                                                    at_step=self._step))
+        if self.metrics is not None:
+            self.metrics.replica_lost(reason)
+
+    def replica_healed(self, index: int, *, step: int, seconds: float) -> None:
+        """Replica group ``index`` loaded a live peer's state and trained ``step``."""
+        self.event(f"replica group {index} healed from a live peer at step {step} in "
+                   f"{seconds:.2f} s")
+        with self._lock:
+            for i in reversed(range(len(self._replica_losses))):
+                loss = self._replica_losses[i]
+                if loss.group == index and loss.healed_at_step is None:
+                    self._replica_losses[i] = replace(loss, healed_at_step=step,
+                                                      heal_seconds=seconds)
+                    break
+        if self.metrics is not None:
+            self.metrics.replica_healed(seconds)
+
     def step(self, stats: StepStats) -> None:
         self.run_dir.record_step(stats)
         if self.metrics is not None:
@@ -211,4 +243,5 @@ class JobRecord:
                 last_stats=self._last_stats, last_checkpoint_step=self._last_checkpoint_step,
                 workers=self._workers, plan=plan, error=self._error,
                 events=tuple(self._events), metrics_url=self.metrics_url,
+                replica_groups=self.job.replicas, replica_losses=tuple(self._replica_losses),
             )

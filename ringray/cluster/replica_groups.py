@@ -43,15 +43,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ringray.cluster.errors import JobError, WorkerGroupFailure
 from ringray.cluster.job_options import JobOptions
-from ringray.cluster.nodes import schedulable_nodes
+from ringray.cluster.nodes import HEAD_NODE_RESOURCE, schedulable_nodes
 from ringray.cluster.placement import (
     PlacementError,
     PlacementPlan,
@@ -87,14 +86,6 @@ class Lighthouse:
     def address(self) -> str:
         """Where the groups reach it (this node's address, which every node can route to)."""
         return self._address
-
-
-def head_node_id() -> str | None:
-    """The Ray head node's id (``None`` if no live node says it is the head)."""
-    for node in ray.nodes():
-        if node["Alive"] and "node:__internal_head__" in node.get("Resources", {}):
-            return node["NodeID"]
-    return None
 
 
 def split_plan(plan: PlacementPlan, count: int) -> list[PlacementPlan]:
@@ -154,6 +145,8 @@ class ReplicatedWorkerGroup:
         self.run: RunPlan | None = None
         self.plan_: PlacementPlan | None = None
         self.replacements = 0
+        self.job_step = 0  # the newest step a call of step() returned
+        self._failure: Failure | None = None
         self._healths: dict[int, tuple] = {}
         self._incarnation = 0
         self._lock = threading.Lock()
@@ -224,11 +217,9 @@ class ReplicatedWorkerGroup:
                 self.record.event(f"the torchft Lighthouse stopped answering ({exc}); "
                                   f"starting a new one")
                 self._kill_lighthouse()
-        head = head_node_id()
-        strategy = (NodeAffinitySchedulingStrategy(node_id=head, soft=True) if head else None)
         heartbeat_ms = round(self.cluster.replica_heartbeat_seconds * 1000)
         self.lighthouse = ray.remote(Lighthouse).options(
-            num_cpus=0, scheduling_strategy=strategy,
+            num_cpus=0, resources={HEAD_NODE_RESOURCE: 0.001}, max_restarts=0,
             name=f"ringray-{self.job.name}-lighthouse").remote(
             min_replicas=1, join_timeout_ms=heartbeat_ms, heartbeat_timeout_ms=heartbeat_ms)
         self.lighthouse_address = ray.get(self.lighthouse.address.remote(),
@@ -254,6 +245,7 @@ class ReplicatedWorkerGroup:
                   for index, group in self.members.items()}
         restored = {index: future.result() for index, future in builds.items()}
         self.stepped = {index: r.step for index, r in restored.items()}
+        self.job_step = restored[0].step
         return restored[0]
 
     # ----------------------------------------------------------------- losing and replacing
@@ -266,8 +258,8 @@ class ReplicatedWorkerGroup:
         self.joining.discard(index)
         with self._lock:
             self._healths.pop(index, None)
-        self.record.event(f"replica group {index} lost ({failure.kind.value}: {failure.detail});"
-                          f" {len(self.members)} of {self.count} train on without it")
+        self.record.replica_lost(index, reason=failure.kind.value, detail=failure.detail,
+                                 left=len(self.members))
         group.teardown()
         self.replacements += 1
         if self.replacements > self.cluster.max_failures:
@@ -327,42 +319,61 @@ class ReplicatedWorkerGroup:
     def step(self, *, move_now: Callable[[Drain], str | None]) -> StepStats:
         """One step the replica groups committed (a step none committed is run again).
 
-        Every live group has a step call in flight. The calls of the groups already training
-        are waited for; a group that joins (a replacement) waits inside its first call for a
-        quorum with theirs, heals there and trains that step with them, so its call is left
-        in flight, never waited on, until it returns."""
-        last_failure: Failure | None = None
+        The calls of the groups already training go out together and are waited for. A
+        group that joins (a replacement) waits inside its first call for a quorum with
+        theirs, heals there and trains that step with them, so its call is never waited on:
+        whenever it returns, its next call goes out at once, because the Lighthouse waits
+        for every member of the last quorum and the others' next step would otherwise wait
+        for it."""
+        self._failure = None
         for _ in range(UNCOMMITTED_ATTEMPTS):
             self._adopt()
             for index, group in self.members.items():
                 if index not in self.inflight:
                     self.inflight[index] = self._pool.submit(group.step, move_now=move_now)
+            waiting = {index for index in self.members if index not in self.joining}
             committed: list[tuple[int, StepStats]] = []
-            for index in sorted(self.members):
-                call = self.inflight[index]
-                if index in self.joining and not call.done():
-                    continue
-                del self.inflight[index]
-                try:
-                    stats = call.result()
-                except WorkerGroupFailure as exc:
-                    last_failure = exc.failure
-                    if len(self.members) == 1:
-                        raise  # the last group: the machine's recovery (checkpoint) path
-                    self._lose(index, exc.failure)
-                    continue
-                if stats.healed:
-                    self.record.event(f"replica group {index} healed from a live peer at step "
-                                      f"{stats.step} in {stats.heal_seconds:.2f} s")
-                if stats.committed:
-                    self.joining.discard(index)
-                    self.stepped[index] = stats.step
-                    committed.append((index, stats))
+            while waiting & set(self.inflight):
+                watched = {self.inflight[i]: i for i in self.inflight
+                           if i in waiting or i in self.joining}
+                done, _ = wait(watched, return_when=FIRST_COMPLETED)
+                for call in done:
+                    index = watched[call]
+                    joined = index in self.joining
+                    waiting.discard(index)
+                    stats = self._outcome(index)
+                    # a joining group's call may return a step the job already has
+                    if stats is not None and stats.committed and stats.step > self.job_step:
+                        committed.append((index, stats))
+                    if joined and index in self.members:  # its next step goes out now
+                        self.inflight[index] = self._pool.submit(self.members[index].step,
+                                                                 move_now=move_now)
             if committed:
-                return max(committed, key=lambda c: (c[1].step, -c[0]))[1]
-        raise WorkerGroupFailure(last_failure or Failure(
+                stats = max(committed, key=lambda c: (c[1].step, -c[0]))[1]
+                self.job_step = stats.step
+                return stats
+        raise WorkerGroupFailure(self._failure or Failure(
             kind=FailureKind.HANG, detail=f"no replica group committed a step in "
                                           f"{UNCOMMITTED_ATTEMPTS} attempts"))
+
+    def _outcome(self, index: int) -> StepStats | None:
+        """Take group ``index``'s finished step call: a failure loses the group (or, for the
+        last one, goes to the machine), a heal is recorded, a commit marks its step."""
+        call = self.inflight.pop(index)
+        try:
+            stats = call.result()
+        except WorkerGroupFailure as exc:
+            self._failure = exc.failure
+            if len(self.members) == 1:
+                raise  # the last group: the machine's recovery (checkpoint) path
+            self._lose(index, exc.failure)
+            return None
+        if stats.healed:
+            self.record.replica_healed(index, step=stats.step, seconds=stats.heal_seconds)
+        if stats.committed:
+            self.joining.discard(index)
+            self.stepped[index] = stats.step
+        return stats
 
     def _current(self) -> list[tuple[int, RayWorkerGroup]]:
         """Live groups at the newest committed step, lowest index first."""

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import ray
 
+from ringray.cluster.nodes import HEAD_NODE_RESOURCE
+
 ACTOR_NAME = "ringray-resource-requests"
 NAMESPACE = "ringray"
 Bundle = dict[str, float]  # one worker's resources, as Ray takes them
 # Ray's built-in resource on the head node: a sliver of it pins the ledger there, beside the
 # controllers, so a worker node's death never takes it down.
-_HEAD_NODE_RESOURCE = "node:__internal_head__"
 
 
 class ResourceRequests:
@@ -52,5 +53,5 @@ def resource_requests():
     """The cluster's ledger (created on first use; every job shares it)."""
     return ray.remote(ResourceRequests).options(
         name=ACTOR_NAME, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
-        num_cpus=0, resources={_HEAD_NODE_RESOURCE: 0.001},
+        num_cpus=0, resources={HEAD_NODE_RESOURCE: 0.001},
     ).remote()

@@ -66,6 +66,17 @@ class Restart:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ReplicaLoss:
+    """A replica group torn down while the others trained on, and its replacement's heal."""
+
+    group: int
+    reason: str  # a FailureKind value
+    at_step: int  # the job's committed steps when it was lost
+    healed_at_step: int | None = None  # the first step its replacement trained (None: not yet)
+    heal_seconds: float | None = None  # joining the quorum and loading a live peer's state
+
+
+@dataclass(frozen=True, kw_only=True)
 class JobStatus:
     job_name: str
     state: str
@@ -84,6 +95,8 @@ class JobStatus:
     error: str | None
     events: tuple[Event, ...]
     metrics_url: str | None = None  # the controller's Prometheus endpoint, when it serves one
+    replica_groups: int = 1  # parallel.dp_replicate; dp counts every group's rings
+    replica_losses: tuple[ReplicaLoss, ...] = ()
 
     @property
     def world_size(self) -> int:

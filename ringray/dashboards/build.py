@@ -227,9 +227,37 @@ def job_dashboard() -> dashboard.Dashboard:
                          query(lifetime_quantile(recovery_seconds, 0.9), "p90")))
         .unit("s").min(0),
     ]
+    heal_seconds = "ringray_replica_heal_duration_seconds"
+    replicas = [
+        as_steps(timeseries_panel("Replica groups in the quorum", 8, "Replica groups "
+                                  "(parallel.dp_replicate) whose gradients each committed "
+                                  "step averaged, against the groups the job asks for: below "
+                                  "it while a lost group is being replaced."))
+        .targets(queries(query(series("ringray_replica_groups_participating"), "participating"),
+                         query(series("ringray_replica_groups"), "asked for")))
+        .min(0).decimals(0),
+        as_steps(timeseries_panel("Replica losses and heals", 8, "Replica groups torn down "
+                                  "after a failure (by reason; the others trained on), "
+                                  "groups that healed from a live peer, and steps committed "
+                                  "with fewer groups."))
+        .targets(queries(
+            query(f"sum by (reason) ({series('ringray_replica_groups_lost_total')})",
+                  "lost: {{reason}}"),
+            query(series("ringray_replica_heals_total"), "heals"),
+            query(series("ringray_replica_degraded_steps_total"), "degraded steps"),
+            query(series("ringray_replica_samples_dropped_total"), "samples dropped"),
+        )).min(0).decimals(0),
+        timeseries_panel("Heal time", 8, "Seconds a replica group took to join a quorum and "
+                         "load a live peer's state, over every heal since the controller "
+                         "started.")
+        .targets(queries(query(lifetime_mean(heal_seconds), "mean"),
+                         query(lifetime_quantile(heal_seconds, 0.9), "p90")))
+        .unit("s").min(0),
+    ]
     board = _board("ringray-job", "ringray / Job", "A ringray training job: state, "
-                   "throughput, MFU, loss, step time, checkpoints, restarts and recovery.")
-    return place(board, [stats, training, step_time, service, checkpoints, failures])
+                   "throughput, MFU, loss, step time, checkpoints, restarts, recovery and "
+                   "replica groups.")
+    return place(board, [stats, training, step_time, service, checkpoints, failures, replicas])
 
 
 def ring_dashboard() -> dashboard.Dashboard:

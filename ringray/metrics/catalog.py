@@ -112,6 +112,24 @@ CATALOG: tuple[MetricSpec, ...] = (
                "Unix time the last complete checkpoint was committed.", JOB),
     MetricSpec("ringray_last_checkpoint_step", "gauge",
                "Step of the last complete checkpoint.", JOB),
+    # ---- replica groups (parallel.dp_replicate)
+    MetricSpec("ringray_replica_groups", "gauge",
+               "Replica groups the job asks for (parallel.dp_replicate; 1 without).", JOB),
+    MetricSpec("ringray_replica_groups_participating", "gauge",
+               "Replica groups whose gradients the last committed step averaged.", JOB),
+    MetricSpec("ringray_replica_degraded_steps_total", "counter",
+               "Steps committed with fewer replica groups than the job asks for.", JOB),
+    MetricSpec("ringray_replica_samples_dropped_total", "counter",
+               "Sequences of the global batch skipped because their replica group was out "
+               "of the step's quorum.", JOB),
+    MetricSpec("ringray_replica_groups_lost_total", "counter",
+               "Replica groups torn down after a failure, by reason (the others trained on).",
+               ("job", "reason")),
+    MetricSpec("ringray_replica_heals_total", "counter",
+               "Replica groups that loaded a live peer's state to rejoin.", JOB),
+    MetricSpec("ringray_replica_heal_duration_seconds", "histogram",
+               "Seconds a replica group took to join a quorum and load a live peer's state.",
+               JOB, SLOW_OPERATION_BUCKETS),
 )
 
 _BY_NAME = {spec.name: spec for spec in CATALOG}

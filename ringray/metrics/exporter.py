@@ -78,6 +78,7 @@ class JobMetrics:
         self._series = {spec.name: _make(spec, self.registry) for spec in CATALOG}
         self._nodes: tuple[str, ...] = ()  # node label of each rank
         self._cp = 1
+        self._replica_groups = 1
         self._server = None
         # Every job-level series exists from the start (counters at 0, so increase() sees
         # the first restart; histograms empty), and a dashboard shows 0 rather than nothing.
@@ -86,6 +87,7 @@ class JobMetrics:
                 self._job(spec.name)
         for reason in RESTART_REASONS:
             self._series["ringray_restarts_total"].labels(job=job, reason=reason)
+            self._series["ringray_replica_groups_lost_total"].labels(job=job, reason=reason)
         for state in CONTROLLER_STATES:
             self._series["ringray_controller_state"].labels(job=job, state=state).set(0)
 
@@ -118,8 +120,18 @@ class JobMetrics:
         for name in CONTROLLER_STATES:
             gauge.labels(job=self.job, state=name).set(1 if name == state else 0)
 
-    def target(self, world_size: int) -> None:
+    def target(self, world_size: int, *, replica_groups: int = 1) -> None:
         self._job("ringray_world_size_target").set(world_size)
+        self._replica_groups = replica_groups
+        self._job("ringray_replica_groups").set(replica_groups)
+
+    def replica_lost(self, reason: str) -> None:
+        self._series["ringray_replica_groups_lost_total"].labels(job=self.job,
+                                                                 reason=reason).inc()
+
+    def replica_healed(self, seconds: float) -> None:
+        self._job("ringray_replica_heals_total").inc()
+        self._job("ringray_replica_heal_duration_seconds").observe(seconds)
 
     def placed(self, *, dp: int, cp: int, nodes: Sequence[str]) -> None:
         """A new placement: the world size, and fresh per-rank and per-ring series."""
@@ -164,6 +176,13 @@ class JobMetrics:
         self._job("ringray_grad_norm").set(stats.grad_norm)
         self._job("ringray_learning_rate").set(stats.learning_rate)
         self._job("ringray_training_step").set(stats.step)
+        groups = self._replica_groups
+        participating = len(stats.replicas_participating) or 1
+        self._job("ringray_replica_groups_participating").set(participating)
+        if participating < groups:
+            self._job("ringray_replica_degraded_steps_total").inc()
+        if stats.samples_dropped:
+            self._job("ringray_replica_samples_dropped_total").inc(stats.samples_dropped)
         self._job("ringray_last_step_timestamp_seconds").set(time.time())
         per_rank = (
             ("ringray_attention_compute_seconds", stats.attention_compute_seconds),
