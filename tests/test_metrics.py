@@ -36,6 +36,7 @@ def _stats(step: int = 3) -> StepStats:
         a2a_seconds=[0.0, 0.0, 0.003, 0.004],
         transfer_exposed_seconds=[0.01, 0, 0, 0.005], peer_wait_seconds=[0, 0, 0, 0.015],
         peer_wait_seconds_max=0.015, ring_transfer_seconds=[0.05, 0.05, 0.05, 0.05],
+        ring_bytes_skipped=[0, 100, 200, 300],
     )
 
 
@@ -97,6 +98,7 @@ def test_a_step_sets_its_values_on_the_right_labels() -> None:
     assert value("ringray_peer_wait_seconds", ring="1", rank="3", node="bbbbbbbb") == 0.015
     assert value("ringray_peer_wait_seconds", ring="0", rank="0", node="aaaaaaaa") == 0
     assert value("ringray_ring_sent_bytes_total", ring="1", rank="3", node="bbbbbbbb") == 4000
+    assert value("ringray_ring_skipped_bytes_total", ring="1", rank="3", node="bbbbbbbb") == 600
     assert value("ringray_peak_memory_bytes", ring="1", rank="3", node="bbbbbbbb") == 4000
     assert value("ringray_ring_overlap_ratio", ring="0") == 0.9
     assert value("ringray_load_imbalance_ratio", ring="1") == 1.1

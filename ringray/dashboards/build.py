@@ -363,14 +363,20 @@ def ring_dashboard() -> dashboard.Dashboard:
         )).unit("s").min(0),
     ]
     resources = [
-        timeseries_panel("Ring bytes sent per rank", 8, "Bytes per second each rank sends "
+        timeseries_panel("Ring bytes sent per rank", 6, "Bytes per second each rank sends "
                          "around its ring.")
         .targets(queries(query(sent_rate, "rank {{rank}}"))).unit("Bps").min(0),
-        timeseries_panel("Attention compute per rank", 8, "Seconds of ring-attention compute "
+        timeseries_panel("Ring bytes the mask saved per rank", 6, "Bytes per second of K/V "
+                         "blocks and dK/dV sums the plain ring would have sent from each rank "
+                         "that nobody reads under the mask (documents, a window), so the "
+                         "transfer plan did not send them.")
+        .targets(queries(query(rate(series("ringray_ring_skipped_bytes_total")),
+                               "rank {{rank}}"))).unit("Bps").min(0),
+        timeseries_panel("Attention compute per rank", 6, "Seconds of ring-attention compute "
                          "(forward and backward) per rank, per step.")
         .targets(queries(query(series("ringray_attention_compute_seconds"), "rank {{rank}}")))
         .unit("s").min(0),
-        timeseries_panel("Peak memory per rank", 8, "Peak accelerator memory (CUDA) or "
+        timeseries_panel("Peak memory per rank", 6, "Peak accelerator memory (CUDA) or "
                          "resident set (CPU) per rank.")
         .targets(queries(query(series("ringray_peak_memory_bytes"), "rank {{rank}}")))
         .unit("bytes").min(0),

@@ -83,6 +83,10 @@ CATALOG: tuple[MetricSpec, ...] = (
                "communication; 0 without Ulysses.", RANK),
     MetricSpec("ringray_ring_sent_bytes_total", "counter",
                "Bytes the rank has sent around its ring.", RANK),
+    MetricSpec("ringray_ring_skipped_bytes_total", "counter",
+               "Bytes of K/V blocks and dK/dV sums the plain ring would have sent from the "
+               "rank that nobody reads under the mask (documents, a window), so the transfer "
+               "plan did not send them.", RANK),
     MetricSpec("ringray_peak_memory_bytes", "gauge",
                "Peak accelerator memory (CUDA) or resident set (CPU) of the rank.", RANK),
     MetricSpec("ringray_ring_overlap_ratio", "gauge",

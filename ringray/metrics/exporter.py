@@ -142,6 +142,7 @@ class JobMetrics:
         self._job("ringray_world_size").set(dp * cp)
         for rank in range(dp * cp):  # counters start at 0, so rate() sees the first step
             self._series["ringray_ring_sent_bytes_total"].labels(**self._rank(rank))
+            self._series["ringray_ring_skipped_bytes_total"].labels(**self._rank(rank))
 
     def stopped(self) -> None:
         """No ring runs (between a teardown and the next start, or at the end)."""
@@ -197,6 +198,9 @@ class JobMetrics:
                 self._series[name].labels(**self._rank(rank)).set(value)
         for rank, sent in enumerate(stats.ring_bytes_sent):
             self._series["ringray_ring_sent_bytes_total"].labels(**self._rank(rank)).inc(sent)
+        for rank, skipped in enumerate(stats.ring_bytes_skipped):
+            self._series["ringray_ring_skipped_bytes_total"].labels(
+                **self._rank(rank)).inc(skipped)
         per_ring = (
             ("ringray_ring_overlap_ratio", stats.overlap_ratio_per_ring),
             ("ringray_load_imbalance_ratio", stats.load_imbalance_per_ring),
