@@ -9,9 +9,12 @@ state. The options' checks run without Ray.
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
+import ray
 from ray_cluster import cluster_options, finish, job_options, start_job, wait_until
 
 from ringray.cluster.job_options import JobOptions
@@ -108,3 +111,42 @@ def test_a_dead_replica_groups_node_stops_no_step_and_its_replacement_heals(
     assert any(m.startswith(f"replica groups 0, 1 hold identical state at step {steps}")
                for m in events), events
     assert doomed_id not in {w.node_id for w in status.workers}
+
+
+# slow (make test-all): about 2.5 min on the 2-core machine; the node-death test above keeps
+# replica groups on a cluster in make test.
+@pytest.mark.slow
+def test_a_killed_rank_costs_its_group_only_and_a_killed_lighthouse_the_checkpoint_path(
+        nodes, tmp_path: Path) -> None:
+    """One rank of replica group 1 is SIGKILLed: group 1 alone is lost (actor_died) and
+    replaced, group 0 goes on. Then the torchft Lighthouse's actor is killed: no group can
+    form a quorum, so the job takes the checkpoint path once (a restart, a new Lighthouse)
+    and still finishes with every step logged once."""
+    tag = "slot_replicas_kill"
+    for _ in range(3):
+        nodes.add_node(tag, slots=2)
+    run_dir = tmp_path / "run"
+    steps = 300
+    options = job_options(str(run_dir), parallel={"dp": 1, "cp": 2, "dp_replicate": 2},
+                          train={"steps": steps, "global_batch": 2, "log_every": 1000},
+                          checkpoint={"interval": 50})
+    controller = start_job("replicas-kill", options, cluster_options(
+        tag, failure_domain=None, replica_heartbeat_seconds=1.0, max_failures=3))
+    status = wait_until(controller, lambda s: s.step >= 20, timeout=240, what="20 steps")
+    os.kill(status.workers[-1].pid, signal.SIGKILL)  # a rank of group 1
+    status = wait_until(controller, lambda s: s.replica_losses
+                        and s.replica_losses[0].healed_at_step is not None,
+                        timeout=240, what="group 1's replacement healed")
+    assert status.replica_losses[0].reason == "actor_died" and not status.restarts
+    saved = wait_until(controller, lambda s: (s.last_checkpoint_step or 0) >= 100,
+                       timeout=240, what="a checkpoint after the heal").last_checkpoint_step
+    ray.kill(ray.get_actor("ringray-replicas-kill-lighthouse", namespace="ringray"),
+             no_restart=True)
+    status = finish(controller, timeout=300)
+
+    assert status.state == "finished", status.error
+    (restart,) = status.restarts
+    assert restart.resumed_from_step is not None and restart.resumed_from_step >= saved
+    events = [e.message for e in status.events]
+    assert any("the torchft Lighthouse is gone" in m for m in events), events
+    assert [s["step"] for s in _steps(run_dir)] == list(range(1, steps + 1))

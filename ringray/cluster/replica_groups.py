@@ -48,7 +48,7 @@ from dataclasses import replace
 
 import ray
 
-from ringray.cluster.errors import JobError, WorkerGroupFailure
+from ringray.cluster.errors import JobError, StopRequested, WorkerGroupFailure
 from ringray.cluster.job_options import JobOptions
 from ringray.cluster.nodes import HEAD_NODE_RESOURCE, schedulable_nodes
 from ringray.cluster.placement import (
@@ -67,6 +67,10 @@ from ringray.train.replicas import ReplicaGroup
 from ringray.train.session import Restored, Saved
 
 UNCOMMITTED_ATTEMPTS = 5
+SETTLE_SECONDS = 2.0
+"""How long a round (and a checkpoint) waits for a call sent late to return with the others."""
+REPLACE_RETRY_SECONDS = 5.0
+"""A replacement that could not start (no room, a failed start) is tried again this much later."""
 """Steps in a row that no replica group commits before the job is treated as failed."""
 
 
@@ -145,6 +149,9 @@ class ReplicatedWorkerGroup:
         self.run: RunPlan | None = None
         self.plan_: PlacementPlan | None = None
         self.replacements = 0
+        self._generation = 0  # teardowns so far: a replacement of an older one is dropped
+        self._starting: dict[int, RayWorkerGroup] = {}  # replacements coming up, by index
+        self._retry_at: dict[int, float] = {}  # replacements to try again, when
         self.job_step = 0  # the newest step a call of step() returned
         self._failure: Failure | None = None
         self._healths: dict[int, tuple] = {}
@@ -271,17 +278,26 @@ class ReplicatedWorkerGroup:
 
     def _replace(self, index: int) -> RayWorkerGroup:
         """A new group ``index`` on the live nodes, built with no checkpoint: it heals from
-        a live peer at its first step."""
+        a live peer at its first step. A teardown meanwhile kills it where it is."""
         started = time.monotonic()
         group = self._group(index)
+        generation = self._generation
+        with self._lock:
+            self._starting[index] = group
         try:
             plan = self._plan_replacement(group)
             group.start(plan)
             group.build(self.options, RunPlan(lineage=self.run.lineage, restore=()),
                         replica=self._replica(index, group))
         except BaseException:
-            group.teardown()
+            if generation == self._generation:  # else the teardown has killed it already
+                group.teardown()
             raise
+        finally:
+            with self._lock:
+                self._starting.pop(index, None)
+        if generation != self._generation:
+            raise JobError(f"replica group {index}'s replacement came up after a teardown")
         self.record.event(f"replica group {index} replaced in {time.monotonic() - started:.1f} "
                           f"s; it heals from a live peer at its first step")
         return group
@@ -303,6 +319,11 @@ class ReplicatedWorkerGroup:
 
     def _adopt(self) -> None:
         """Replacements that have come up join the next step; failed ones are tried again."""
+        now = time.monotonic()
+        for index, when in list(self._retry_at.items()):
+            if now >= when:
+                del self._retry_at[index]
+                self.pending[index] = self._pool.submit(self._replace, index)
         for index, future in list(self.pending.items()):
             if not future.done():
                 continue
@@ -310,10 +331,13 @@ class ReplicatedWorkerGroup:
             try:
                 self.members[index] = future.result()
                 self.joining.add(index)
+            except StopRequested:
+                continue  # the machine stops the job
             except (WorkerGroupFailure, JobError, PlacementError) as exc:
                 self.record.event(f"replica group {index}'s replacement did not start: {exc}; "
-                                  f"trying again")
-                self.pending[index] = self._pool.submit(self._replace, index)
+                                  f"trying again in {REPLACE_RETRY_SECONDS:.0f} s (the others "
+                                  f"train on)")
+                self._retry_at[index] = now + REPLACE_RETRY_SECONDS
 
     # ----------------------------------------------------------------- training
     def step(self, *, move_now: Callable[[Drain], str | None]) -> StepStats:
@@ -321,10 +345,11 @@ class ReplicatedWorkerGroup:
 
         The calls of the groups already training go out together and are waited for. A
         group that joins (a replacement) waits inside its first call for a quorum with
-        theirs, heals there and trains that step with them, so its call is never waited on:
-        whenever it returns, its next call goes out at once, because the Lighthouse waits
-        for every member of the last quorum and the others' next step would otherwise wait
-        for it."""
+        theirs, heals there and trains that step with them, so its call is never waited on.
+        Whenever a call returns a step the job already has (a joining group's, or one left
+        from an earlier round), that group's next call goes out at once: the Lighthouse
+        waits for every member of the last quorum, so the others' next step would otherwise
+        wait for it until the quorum timeout."""
         self._failure = None
         for _ in range(UNCOMMITTED_ATTEMPTS):
             self._adopt()
@@ -333,6 +358,7 @@ class ReplicatedWorkerGroup:
                     self.inflight[index] = self._pool.submit(group.step, move_now=move_now)
             waiting = {index for index in self.members if index not in self.joining}
             committed: list[tuple[int, StepStats]] = []
+            resent: set[int] = set()
             while waiting & set(self.inflight):
                 watched = {self.inflight[i]: i for i in self.inflight
                            if i in waiting or i in self.joining}
@@ -342,12 +368,20 @@ class ReplicatedWorkerGroup:
                     joined = index in self.joining
                     waiting.discard(index)
                     stats = self._outcome(index)
-                    # a joining group's call may return a step the job already has
                     if stats is not None and stats.committed and stats.step > self.job_step:
                         committed.append((index, stats))
-                    if joined and index in self.members:  # its next step goes out now
+                    elif stats is not None and index in self.members and (
+                            joined or stats.committed):
+                        # A joining group's first call, or a call left from an earlier round
+                        # (a step the job already has): the group's next call goes out now,
+                        # for the quorum the others wait in (the Lighthouse waits for every
+                        # member of the last quorum). It is waited for in a later round.
                         self.inflight[index] = self._pool.submit(self.members[index].step,
                                                                  move_now=move_now)
+                        resent.add(index)
+            # A call sent again above is most often in the quorum the others just finished:
+            # it returns with them, and taking it now keeps the groups in step.
+            committed += self._settle(resent)
             if committed:
                 stats = max(committed, key=lambda c: (c[1].step, -c[0]))[1]
                 self.job_step = stats.step
@@ -355,6 +389,21 @@ class ReplicatedWorkerGroup:
         raise WorkerGroupFailure(self._failure or Failure(
             kind=FailureKind.HANG, detail=f"no replica group committed a step in "
                                           f"{UNCOMMITTED_ATTEMPTS} attempts"))
+
+    def _settle(self, indices: set[int]) -> list[tuple[int, StepStats]]:
+        """Take the calls of ``indices`` that return within :data:`SETTLE_SECONDS`; the rest
+        stay in flight (waiting for a later quorum). Returns the new committed steps."""
+        calls = {self.inflight[i]: i for i in indices if i in self.inflight}
+        if not calls:
+            return []
+        done, _ = wait(calls, timeout=SETTLE_SECONDS)
+        fresh = []
+        for call in done:
+            index = calls[call]
+            stats = self._outcome(index)
+            if stats is not None and stats.committed and stats.step > self.job_step:
+                fresh.append((index, stats))
+        return fresh
 
     def _outcome(self, index: int) -> StepStats | None:
         """Take group ``index``'s finished step call: a failure loses the group (or, for the
@@ -366,6 +415,10 @@ class ReplicatedWorkerGroup:
             self._failure = exc.failure
             if len(self.members) == 1:
                 raise  # the last group: the machine's recovery (checkpoint) path
+            if not self._lighthouse_answers():
+                self.record.event("the torchft Lighthouse is gone: no group can form a "
+                                  "quorum, so the job restarts from its checkpoint")
+                raise
             self._lose(index, exc.failure)
             return None
         if stats.healed:
@@ -399,6 +452,7 @@ class ReplicatedWorkerGroup:
         """One group saves; then every group at the current step compares its state with
         it, rank for rank (weights, optimizer state, loader, RNG, step): a difference is
         recorded as a warning naming the groups, never ignored."""
+        self._settle(set(self.inflight))  # a group's call still returning this step
         saved = self._one_group(lambda group: group.checkpoint())
         current = self._current()
         if len(current) > 1:
@@ -444,12 +498,16 @@ class ReplicatedWorkerGroup:
     def teardown(self) -> None:
         """Every group, the replacements starting, and the workers' list; the Lighthouse
         stays for the job's next start (:meth:`close` ends it)."""
-        for index, future in list(self.pending.items()):
-            try:
-                future.result(timeout=self.cluster.startup_timeout_seconds).teardown()
-            except Exception as exc:
-                self.record.event(f"replica group {index}'s replacement ended: {exc}")
+        self._generation += 1
+        with self._lock:
+            starting, self._starting = self._starting, {}
+        for group in starting.values():  # their start fails, and their thread gives up
+            group.teardown()
+        for future in self.pending.values():
+            if future.done() and future.exception() is None:
+                future.result().teardown()
         self.pending.clear()
+        self._retry_at.clear()
         for group in self.members.values():
             group.teardown()
         for call in self.inflight.values():
@@ -463,6 +521,13 @@ class ReplicatedWorkerGroup:
         self.teardown()
         self._kill_lighthouse()
         self._pool.shutdown(wait=False)
+
+    def _lighthouse_answers(self) -> bool:
+        try:
+            ray.get(self.lighthouse.address.remote(), timeout=10)
+            return True
+        except Exception:
+            return False
 
     def _kill_lighthouse(self) -> None:
         if self.lighthouse is not None:
