@@ -23,6 +23,7 @@ from ringray.capacity.ulysses import (
     recommend_ulysses,
     ulysses_options,
 )
+from ringray.model.loss import LOSS_CHUNK_TOKENS
 from ringray.model.rope import describe_rope
 from ringray.train import TrainOptions
 
@@ -150,6 +151,7 @@ class PlanReport:
             (f"recomputed at once ({self.inputs.activation_checkpointing} checkpointing)",
              m.recompute_bytes),
             ("ring buffers (one layer, backward)", m.ring_buffers_bytes),
+            (f"loss chunk (<= {LOSS_CHUNK_TOKENS} tokens' logits)", m.loss_chunk_bytes),
             *([("FSDP gathered weights and gradients", m.gathered_bytes)] if shards > 1 else []),
             ("step transient (after backward)", m.step_transient_bytes),
             (f"peak (at the {m.peak_moment})", m.peak_bytes),
