@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -284,7 +284,8 @@ def _follow_on_ray(spec: JobSpec, job: JobOptions, *, address: str | None) -> No
     url = job_status(controller).metrics_url
     if url:
         err.print(f"metrics: {url} (Prometheus; dashboards in dashboards/)", highlight=False)
-    view = _TrainView(job.train.train.steps)
+    # The controller's own event for that endpoint says the same: it is not printed again.
+    view = _TrainView(job.train.train.steps, said=[f"metrics: {url}"] if url else [])
     # A reattached job's spec was written by the driver that started it.
     run_spec = _RunSpecWriter(spec, job.train.run_dir, say=view.say, written=reattached)
 
@@ -353,18 +354,30 @@ def oversubscription_note(*, world: int, cores: int, cp: int) -> str | None:
 
 
 class _TrainView:
-    """A progress bar with one live line, and the controller's events printed above it."""
+    """A progress bar with one live line, and the controller's events printed above it.
 
-    def __init__(self, total_steps: int) -> None:
+    On a console that is not a terminal (stderr piped to a file, as CI does) nothing is
+    redrawn: the events are printed as they come, each on one line, and the live line once
+    at the end, whole. (Rich's own last frame there is cut to its 80 columns mid-word.)
+    ``said``: event messages the driver has already printed itself, not printed again."""
+
+    def __init__(self, total_steps: int, *, console: Console | None = None,
+                 said: Collection[str] = ()) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
+        console = console or err
+        self.live = console.is_terminal and not console.is_dumb_terminal
         self.progress = Progress(
             TextColumn("[bold]{task.fields[state]:<13}"), BarColumn(bar_width=24),
             MofNCompleteColumn(), TextColumn("{task.fields[line]}"),
-            console=err, transient=False,
+            console=console, transient=False, disable=not self.live,
         )
+        self.total_steps = total_steps
         self.task = self.progress.add_task("train", total=total_steps, state="placing",
                                            line="")
+        self.said = set(said)
+        self.step = 0
+        self.line = ""
         self.events_seen = 0.0
         self.interrupts = 0
         self.first_signal = signal.SIGINT  # what stopped the job (a stop by another client: 130)
@@ -389,19 +402,23 @@ class _TrainView:
 
     def __exit__(self, *exc) -> None:
         self.progress.stop()
+        if not self.live:  # the live line's last state, once, as long as it is
+            self.say(f"{self.state:<13} {self.step}/{self.total_steps}  {self.line}")
 
     def say(self, message: str) -> None:
-        self.progress.console.print(message, highlight=False)
+        # Not a terminal: one line whatever its length (a file has no width to wrap at).
+        self.progress.console.print(message, highlight=False, soft_wrap=not self.live)
 
     def update(self, status) -> None:
         for event in status.events:
             if event.time > self.events_seen:
                 self.events_seen = event.time
-                if not event.message.startswith("state: "):
+                if not event.message.startswith("state: ") and event.message not in self.said:
                     self.say(f"  {event.message}")
-        self.state = status.state
+        self.state, self.step = status.state, status.step
+        self.line = format_status_line(status)
         self.progress.update(self.task, completed=status.step, state=status.state,
-                             line=format_status_line(status))
+                             line=self.line)
 
 
 def format_status_line(status) -> str:

@@ -207,7 +207,7 @@ class JobRecord:
 
     def passkey(self, report: PasskeyReport) -> None:
         self.run_dir.record_passkey(report)
-        self.event("passkey: " + " ".join(report.format_table().splitlines()[-1:]))
+        self.event(passkey_summary(report))
 
     # ----------------------------------------------------------------- faults
     def restart(self, failure: Failure, *, failed_at_step: int, world_size: int,
@@ -245,3 +245,15 @@ class JobRecord:
                 events=tuple(self._events), metrics_url=self.metrics_url,
                 replica_groups=self.job.replicas, replica_losses=tuple(self._replica_losses),
             )
+
+
+def passkey_summary(report: PasskeyReport) -> str:
+    """The evaluation in one line: exact match (overall, as a count of prompts, and per
+    length), then per-digit accuracy against chance, e.g. ``passkey: exact match 1.00 (6/6
+    prompts; 4096: 1.00), per-digit accuracy 1.000 (chance: exact 1e-05, per digit 0.1)``."""
+    matched = sum(cell.exact_matches for cell in report.cells)
+    prompts = sum(cell.samples for cell in report.cells)
+    lengths = ", ".join(f"{n}: {report.length_accuracy(n):.2f}" for n in report.lengths)
+    digits = report.format_table().splitlines()[-1]
+    return (f"passkey: exact match {report.accuracy:.2f} ({matched}/{prompts} prompts; "
+            f"{lengths}), {digits}")
