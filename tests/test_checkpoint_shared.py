@@ -36,3 +36,35 @@ def test_a_location_the_ranks_do_not_share_is_refused_in_one_line() -> None:
 def test_a_shared_location_saves(tmp_path) -> None:
     assert run_gloo_ranks(2, _save_to, str(tmp_path / "ck"), timeout_seconds=240) == [
         "saved", "saved"]
+
+
+def _open_session(rank: int, world: int, location: str) -> str:
+    import faulty_fs  # noqa: F401 - registers nodemem:// in this rank's process
+
+    from ringray.train.checkpoint import CheckpointWriteError, RunPlan
+    from ringray.train.session import TrainingSession
+
+    options = tiny_options("/tmp/unused", parallel={"cp": 2},
+                           checkpoint={"path": location})
+    try:
+        session = TrainingSession(options, RunPlan(lineage="l", restore=()))
+    except CheckpointWriteError as exc:
+        return str(exc)
+    return f"opened at step {session.step_count}"
+
+
+def test_a_location_the_ranks_do_not_share_is_refused_when_the_session_opens() -> None:
+    """Before any step: every rank gets the same one line, no training is lost to it."""
+    messages = run_gloo_ranks(2, _open_session, "nodemem://ck", timeout_seconds=240)
+    assert messages[0] == messages[1]
+    assert messages[0] == ("checkpoint.path: nodemem://ck is not shared by every rank: rank 0 "
+                           "does not see what rank(s) 1 wrote there; a job on several nodes "
+                           "needs a location every node reads, such as a shared filesystem "
+                           "or an object store URL (s3://, gs://)")
+
+
+def test_a_shared_location_opens_and_is_left_as_it_was_found(tmp_path) -> None:
+    location = tmp_path / "ck"
+    assert run_gloo_ranks(2, _open_session, str(location), timeout_seconds=240) == [
+        "opened at step 0", "opened at step 0"]
+    assert not location.exists()  # the probes and the directory they needed are gone

@@ -305,6 +305,52 @@ class CheckpointStore:
         return None
 
     # ----------------------------------------------------------------- writing
+    def check_shared(self) -> None:
+        """Collective, before any training: raise :class:`CheckpointWriteError` on every rank
+        (one line) unless rank 0 sees a file each rank writes at the location, i.e. the
+        location is storage every rank shares (a node-local disk on a job of several nodes is
+        not). Each rank's probe is removed; where there is no checkpoint yet, the location's
+        directory is left as it was found. One process (no process group) checks nothing."""
+        if not distributed() or dist.get_world_size() == 1:
+            return
+        rank, token = dist.get_rank(), new_lineage()
+        try:
+            existed = self._fs.exists(self._root)  # looked at before any rank writes
+        except OSError:
+            existed = True
+        tokens: list = [None] * dist.get_world_size()
+        dist.all_gather_object(tokens, token)  # one name per run, every rank the same
+        probe = f"{self._root}/.shared-probe-{tokens[0]}-rank{rank}"
+        try:
+            self._fs.makedirs(self._root, exist_ok=True)
+            self._fs.pipe(probe, b"ringray")
+            wrote = True
+        except OSError:  # unwritable: the first save names the error (and never retries it)
+            wrote = False
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, wrote)  # also: every probe is written now
+        if not all(everyone):
+            if wrote:
+                self._fs.rm(probe)
+            return
+
+        def missing() -> list[int]:
+            return [r for r in range(dist.get_world_size())
+                    if not self._fs.exists(f"{self._root}/.shared-probe-{tokens[0]}-rank{r}")]
+
+        unseen = on_rank0(missing)  # every rank waits for rank 0's look before removing
+        self._fs.rm(probe)
+        dist.barrier()
+        if not existed and rank == 0 and self._fs.exists(self._root) and \
+                not self._fs.ls(self._root, detail=False):
+            self._fs.rmdir(self._root)
+        if unseen:
+            raise CheckpointWriteError(
+                f"checkpoint.path: {self.location} is not shared by every rank: rank 0 does not "
+                f"see what rank(s) {', '.join(map(str, unseen))} wrote there; a job on several "
+                f"nodes needs a location every node reads, such as a shared filesystem or an "
+                f"object store URL (s3://, gs://)")
+
     def save(self, step: int, state: dict[str, Any], *, keep: int,
              extra: dict | None = None) -> CheckpointRef:
         """Write ``state`` as the checkpoint of ``step`` and commit it (collective: every rank

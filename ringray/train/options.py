@@ -198,7 +198,8 @@ class CheckpointOptions:
                              "its checkpoints); set resume: false, or drop move_aside")
         if self.path is not None and "://" in self.path:
             scheme = self.path.split("://", 1)[0]
-            if scheme not in fsspec.available_protocols():
+            # fsspec's known protocols, and any a program registered itself (its registry)
+            if scheme not in fsspec.available_protocols() and scheme not in fsspec.registry:
                 raise ValueError(
                     f"path: {self.path!r} has a URL scheme {scheme!r} that fsspec does not "
                     f"know; use a local path or one of fsspec's, e.g. s3://, gs://, abfs://, "

@@ -99,6 +99,9 @@ class TrainingSession:
         # so that step's time is the step's.
         self.trainer.calibrate()
         self.store = CheckpointStore(options.checkpoint_location, lineage=run.lineage)
+        # A location the ranks do not share (a node-local disk on several nodes) is refused
+        # now, on every rank, not at the first save after hours of training.
+        self.store.check_shared()
 
     @property
     def step_count(self) -> int:
