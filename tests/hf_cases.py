@@ -40,6 +40,12 @@ CASES: dict[str, tuple[str, dict]] = {
     "qwen3_qk_norm": ("qwen3", dict(head_dim=16, attention_bias=True,
                                     rope_parameters={"rope_type": "default",
                                                      "rope_theta": 1_000_000.0})),
+    # Layer 1 only: a sliding window of 5 keys (transformers' layer_types from
+    # max_window_layers), shorter than the ring's blocks (64 / 8 = 8 tokens over 4 ranks).
+    "qwen2_sliding": ("qwen2", dict(use_sliding_window=True, sliding_window=5,
+                                    max_window_layers=1,
+                                    rope_parameters={"rope_type": "default",
+                                                     "rope_theta": 10_000.0})),
 }
 
 

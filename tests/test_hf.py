@@ -123,8 +123,9 @@ def test_ring_of_four_matches_transformers(checkpoints: dict) -> None:
 
 
 def test_parity_would_catch_a_wrong_rotation_or_scaling(checkpoints: dict) -> None:
-    """The parity tests can fail: permuting q/k into the interleaved RoPE layout, or dropping
-    the llama3 scaling, moves the logits far beyond the tolerance."""
+    """The parity tests can fail: permuting q/k into the interleaved RoPE layout, dropping
+    the llama3 scaling, or a sliding window layer attending in full moves the logits far
+    beyond the tolerance."""
     model = load_pretrained(str(checkpoints["llama3_tied"]))
     hf_logits, _ = hf_logits_and_grads("llama3_tied")
     tokens = case_tokens()[:, :-1]
@@ -138,6 +139,13 @@ def test_parity_would_catch_a_wrong_rotation_or_scaling(checkpoints: dict) -> No
                 heads = proj.weight.shape[0] // head_dim
                 interleaved = proj.weight.view(heads, 2, head_dim // 2, -1).transpose(1, 2)
                 proj.weight.copy_(interleaved.reshape(proj.weight.shape))
+        assert (model(tokens) - hf_logits).abs().max() > 1e-2
+    # The sliding window matters: the same Qwen2 weights with full attention on layer 1.
+    hf_logits, _ = hf_logits_and_grads("qwen2_sliding")
+    model = load_pretrained(str(checkpoints["qwen2_sliding"]))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), hf_logits, **F32_TOL)
+        model.layers[1].attention.window = None
         assert (model(tokens) - hf_logits).abs().max() > 1e-2
 
 
@@ -160,6 +168,9 @@ def test_features_become_config_fields(checkpoints: dict) -> None:
     assert qwen2.qkv_bias and not qwen2.o_bias and qwen2.rope_theta == 1_000_000.0
     qwen3 = read_model_config(str(checkpoints["qwen3_qk_norm"]))
     assert qwen3.qk_norm and qwen3.explicit_head_dim == 16 and qwen3.head_dim == 16
+    sliding = read_model_config(str(checkpoints["qwen2_sliding"]))
+    assert (sliding.sliding_window, sliding.sliding_layers) == (5, (1,))
+    assert [sliding.layer_window(i) for i in range(2)] == [None, 5]
     yarn = read_model_config(str(checkpoints["llama_yarn"])).rope_scaling
     assert (yarn.kind, yarn.factor, yarn.beta_fast, yarn.beta_slow) == ("yarn", 4.0, 32.0, 1.0)
 
@@ -343,10 +354,20 @@ BROKEN = {
     "rope type": (
         dict(config={"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}),
         r"^rope_type: 'dynamic' is not supported; supported: default, linear, llama3, yarn"),
-    "sliding window": (
-        dict(config={"use_sliding_window": True}),
-        r"^use_sliding_window: true is not supported"),
+    "sliding window on llama": (
+        dict(config={"use_sliding_window": True, "sliding_window": 4}),
+        r"^use_sliding_window: LlamaForCausalLM has no sliding window"),
+    "layer type": (
+        dict(config={"layer_types": ["full_attention", "chunked_attention"]}),
+        r"^layer_types: \['chunked_attention'\] is not supported; expected full_attention or "
+        r"sliding_attention"),
+    "window size": (
+        dict(config={"layer_types": ["full_attention", "sliding_attention"],
+                     "sliding_window": None}),
+        r"^sliding_window: None with sliding-attention layers \[1\]; expected a positive whole "
+        r"number of keys"),
 }
+QWEN_CASES = ("layer type", "window size")  # checked on a Qwen3 checkpoint, the rest on Llama
 
 
 @pytest.mark.parametrize("what", list(BROKEN))
@@ -355,7 +376,7 @@ def test_broken_checkpoint_is_refused_in_one_line(what: str, checkpoints: dict,
     """Each defect raises a ValueError whose single line names the tensor or key and, for a
     shape, the expected and found values."""
     change, pattern = BROKEN[what]
-    source = checkpoints["qwen3_qk_norm" if what == "sliding window" else "llama_yarn"]
+    source = checkpoints["qwen3_qk_norm" if what in QWEN_CASES else "llama_yarn"]
     path = broken_copy(source, tmp_path, **change)
     with pytest.raises(ValueError, match=pattern) as info:
         load_pretrained(path)

@@ -53,6 +53,12 @@ class ModelConfig:
     """The output projection is the input embedding table (Llama 3.2 1B/3B, small Qwens)."""
     rope_scaling: RopeScaling = RopeScaling()
     """How rotary frequencies are stretched for long context (default: not at all)."""
+    sliding_window: int | None = None
+    """Sliding-window attention (Mistral; Qwen2/Qwen3's ``use_sliding_window``): a query sees
+    the last ``sliding_window`` keys, itself included, on the layers ``sliding_layers``
+    names; None: full causal attention on every layer."""
+    sliding_layers: tuple[int, ...] | None = None
+    """The layers with the window (Hugging Face's ``layer_types``); None: every layer."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden"):
@@ -83,6 +89,25 @@ class ModelConfig:
                 f"{field_name}: head_dim={self.head_dim} must be even for rotary embeddings"
             )
 
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window: must be >= 1, got {self.sliding_window}")
+        if self.sliding_layers is not None:
+            if self.sliding_window is None:
+                raise ValueError("sliding_layers: given without a sliding_window; give the "
+                                 "window, or drop sliding_layers")
+            outside = [i for i in self.sliding_layers if not 0 <= i < self.n_layers]
+            if outside:
+                raise ValueError(f"sliding_layers: {outside} are not layers of this model "
+                                 f"(0 to {self.n_layers - 1})")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of ``layer`` (None: full causal attention)."""
+        if self.sliding_window is None:
+            return None
+        if self.sliding_layers is None or layer in self.sliding_layers:
+            return self.sliding_window
+        return None
+
     @property
     def head_dim(self) -> int:
         return self.explicit_head_dim or self.dim // self.n_heads
@@ -102,6 +127,8 @@ class ModelConfig:
         values = dict(data)
         if isinstance(values.get("rope_scaling"), Mapping):
             values["rope_scaling"] = RopeScaling(**values["rope_scaling"])
+        if values.get("sliding_layers") is not None:
+            values["sliding_layers"] = tuple(values["sliding_layers"])
         return cls(**values)
 
     def num_params(self, *, embeddings: bool = True) -> int:
@@ -133,7 +160,7 @@ class ModelConfig:
 
 _FEATURE_FIELDS = frozenset(
     ("explicit_head_dim", "qkv_bias", "o_bias", "mlp_bias", "qk_norm", "tie_embeddings",
-     "rope_scaling")
+     "rope_scaling", "sliding_window", "sliding_layers")
 )
 """ModelConfig fields added after checkpoints recorded ``to_dict()``: omitted at defaults."""
 

@@ -131,13 +131,7 @@ def config_from_hf(hf: Mapping[str, object]) -> ModelConfig:
     arch = _architecture(hf)
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act: {hf['hidden_act']!r} is not supported; expected 'silu'")
-    if hf.get("use_sliding_window"):
-        raise ValueError("use_sliding_window: true is not supported (ring attention here is "
-                         "full causal attention)")
-    layer_types = hf.get("layer_types") or []
-    if any(t != "full_attention" for t in layer_types):
-        raise ValueError(f"layer_types: {sorted(set(layer_types))} is not supported; expected "
-                         f"only 'full_attention'")
+    window, sliding = _sliding_from_hf(hf, arch)
     dim, n_heads = int(_required(hf, "hidden_size")), int(_required(hf, "num_attention_heads"))
     head_dim = hf.get("head_dim")
     explicit = int(head_dim) if head_dim and head_dim * n_heads != dim else None
@@ -160,7 +154,46 @@ def config_from_hf(hf: Mapping[str, object]) -> ModelConfig:
         qk_norm=arch == "Qwen3ForCausalLM",
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         rope_scaling=scaling,
+        sliding_window=window,
+        sliding_layers=sliding,
     )
+
+
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _sliding_from_hf(hf: Mapping[str, object],
+                     arch: str) -> tuple[int | None, tuple[int, ...] | None]:
+    """``(sliding_window, sliding_layers)`` of a config.json: Qwen2/Qwen3's
+    ``use_sliding_window`` with ``layer_types`` (or, without them, the layers from
+    ``max_window_layers`` on, as transformers derives them); Llama has no window."""
+    n_layers = int(_required(hf, "num_hidden_layers"))
+    layer_types = list(hf.get("layer_types") or [])
+    unknown = sorted(set(layer_types) - set(_LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"layer_types: {unknown} is not supported; expected "
+                         f"{' or '.join(_LAYER_TYPES)}")
+    if arch == "LlamaForCausalLM":
+        if hf.get("use_sliding_window") or "sliding_attention" in layer_types:
+            raise ValueError("use_sliding_window: LlamaForCausalLM has no sliding window")
+        return None, None
+    if layer_types:
+        if len(layer_types) != n_layers:
+            raise ValueError(f"layer_types: {len(layer_types)} entries for "
+                             f"num_hidden_layers={n_layers}")
+        sliding = [i for i, t in enumerate(layer_types) if t == "sliding_attention"]
+    elif hf.get("use_sliding_window"):
+        first = hf.get("max_window_layers")
+        sliding = list(range(int(first) if first is not None else 0, n_layers))
+    else:
+        sliding = []
+    if not sliding:
+        return None, None
+    window = hf.get("sliding_window")
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ValueError(f"sliding_window: {window!r} with sliding-attention layers "
+                         f"{sliding}; expected a positive whole number of keys")
+    return window, (None if len(sliding) == n_layers else tuple(sliding))
 
 
 def read_model_config(path: str) -> ModelConfig:
@@ -181,6 +214,8 @@ def read_model_config(path: str) -> ModelConfig:
 
 
 def _expressible(cfg: ModelConfig, arch: str) -> bool:
+    if arch == "LlamaForCausalLM" and cfg.sliding_window is not None:
+        return False  # Llama has no sliding window; Qwen2 and Qwen3 do
     if arch == "Qwen2ForCausalLM":
         return cfg.qkv_bias and not (cfg.o_bias or cfg.mlp_bias or cfg.qk_norm)
     if arch == "Qwen3ForCausalLM":
@@ -194,9 +229,11 @@ def hf_architecture(cfg: ModelConfig, preferred: str | None = None) -> str:
     for arch in candidates:
         if _expressible(cfg, arch):
             return arch
+    window = (f", sliding_window: {cfg.sliding_window} (not LlamaForCausalLM)"
+              if cfg.sliding_window is not None else "")
     raise ValueError(f"qkv_bias: {cfg.qkv_bias}, o_bias: {cfg.o_bias}, mlp_bias: "
-                     f"{cfg.mlp_bias} and qk_norm: {cfg.qk_norm} together match none of "
-                     f"{', '.join(ARCHITECTURES)}")
+                     f"{cfg.mlp_bias} and qk_norm: {cfg.qk_norm}{window} together match none "
+                     f"of {', '.join(ARCHITECTURES)}")
 
 
 def _rope_to_hf(cfg: ModelConfig) -> dict[str, object]:
@@ -262,7 +299,13 @@ def config_to_hf(
     if arch == "LlamaForCausalLM":
         out["mlp_bias"] = cfg.mlp_bias
     else:
-        out.update(use_sliding_window=False, layer_types=["full_attention"] * cfg.n_layers)
+        types = ["sliding_attention" if cfg.layer_window(i) else "full_attention"
+                 for i in range(cfg.n_layers)]
+        out.update(use_sliding_window=cfg.sliding_window is not None, layer_types=types,
+                   sliding_window=cfg.sliding_window)
+        sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+        if sliding and sliding == list(range(sliding[0], cfg.n_layers)):
+            out["max_window_layers"] = sliding[0]  # what transformers 4 reads instead
     return out
 
 

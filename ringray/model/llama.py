@@ -123,9 +123,10 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.window = cfg.layer_window(layer)  # sliding-window attention on this layer
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
@@ -151,15 +152,15 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
-    @staticmethod
     def ring_pass(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: RingContext
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: RingContext
     ) -> torch.Tensor:
-        """Attention over the whole ring (the only step that communicates)."""
+        """Attention over the whole ring (the only step that communicates); with this
+        layer's sliding window, nothing beyond it is computed or sent."""
         return ring_attention(
             q, k, v, ring.group, ulysses_group=ring.ulysses_group, layout=ring.layout,
-            causal=True,
-            backend=ring.backend, stats=ring.stats, documents=ring.documents,
+            causal=True, backend=ring.backend, stats=ring.stats, documents=ring.documents,
+            window=self.window,
         )
 
     def project_out(self, out: torch.Tensor) -> torch.Tensor:
@@ -187,10 +188,10 @@ class Block(nn.Module):
     output, the LSE and its last K/V block, so the backward recomputes norms, projections,
     RoPE and the MLP but never goes round the ring again."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg)
+        self.attention = Attention(cfg, layer)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
         self.recompute_around_ring = False
@@ -257,7 +258,7 @@ class Transformer(nn.Module):
         # save_pretrained copies its tokenizer and keeps the rest of its config.json.
         self.pretrained_source: str | None = None
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, layer) for layer in range(cfg.n_layers))
         for block in self.layers:
             block.recompute_around_ring = activation_checkpointing == "selective"
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
