@@ -150,3 +150,26 @@ def test_a_killed_rank_costs_its_group_only_and_a_killed_lighthouse_the_checkpoi
     events = [e.message for e in status.events]
     assert any("the torchft Lighthouse is gone" in m for m in events), events
     assert [s["step"] for s in _steps(run_dir)] == list(range(1, steps + 1))
+
+
+def test_the_memory_check_counts_every_replica_groups_workers_on_a_node() -> None:
+    """A worker's share of its node's memory is divided among the job's workers there,
+    those of its replica group and of the job's other live groups (not another job's, not a
+    removed group's)."""
+    from ringray.cluster.worker import job_bundles_on_node
+
+    table = {
+        "a": {"name": "ringray-j-replica0-1", "state": "CREATED",
+              "bundles_to_node_id": {0: "n1", 1: "n1"}},
+        "b": {"name": "ringray-j-replica1-2", "state": "CREATED",
+              "bundles_to_node_id": {0: "n1", 1: "n2"}},
+        "c": {"name": "ringray-j-replica1-1", "state": "REMOVED",
+              "bundles_to_node_id": {0: "n1", 1: "n1"}},
+        "d": {"name": "ringray-other-replica0-1", "state": "CREATED",
+              "bundles_to_node_id": {0: "n1"}},
+    }
+    own = table["a"]
+    assert job_bundles_on_node(table, own["name"], own["bundles_to_node_id"], "n1") == 3
+    assert job_bundles_on_node(table, own["name"], own["bundles_to_node_id"], "n2") == 1
+    plain = {0: "n1", 1: "n1"}  # a job without replica groups: its own group only
+    assert job_bundles_on_node(table, "ringray-j", plain, "n1") == 2

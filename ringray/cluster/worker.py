@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import socket
 import struct
 import time
@@ -177,13 +178,15 @@ class TrainWorker:
                            workers=self._workers_on_node(node))
 
     def _workers_on_node(self, node: str) -> int:
-        """This job's workers on ``node``: the bundles of this worker's placement group that
-        Ray put there (every worker of the group, when it runs outside one)."""
+        """This job's workers on ``node``: the bundles Ray put there of this worker's
+        placement group and, with replica groups, of the other groups' (every worker of the
+        group, when it runs outside one)."""
         group = ray.util.get_current_placement_group()
         if group is None:
             return self.world_size
-        bundles = ray.util.placement_group_table(group).get("bundles_to_node_id", {})
-        return max(1, sum(1 for where in bundles.values() if where == node))
+        own = ray.util.placement_group_table(group)
+        return max(1, job_bundles_on_node(ray.util.placement_group_table(), own.get("name", ""),
+                                          own.get("bundles_to_node_id", {}), node))
 
     def state_digest(self) -> str:
         """A digest of this rank's training state (equal across replica groups in step)."""
@@ -225,6 +228,28 @@ class TrainWorker:
         if self.session is None:
             raise RuntimeError(f"rank {self.rank}: build() must run before training calls")
         return self.session
+
+
+_REPLICA_GROUP_NAME = re.compile(r"^(?P<job>.+)-replica\d+-\d+$")
+
+
+def job_bundles_on_node(table: dict, own_name: str, own_bundles: dict, node: str) -> int:
+    """Bundles on ``node`` of the placement group named ``own_name`` and, when that is a
+    replica group's (``ringray-<job>-replica<i>-<n>``, :mod:`.replica_groups`), of the job's
+    other live replica groups' in ``table`` (``placement_group_table()``). A group still being
+    made when this looks is not counted."""
+    count = sum(1 for where in own_bundles.values() if where == node)
+    match = _REPLICA_GROUP_NAME.match(own_name)
+    if match is None:
+        return count
+    for entry in table.values():
+        other = _REPLICA_GROUP_NAME.match(entry.get("name", ""))
+        if (other is None or other["job"] != match["job"] or entry.get("name") == own_name
+                or entry.get("state") == "REMOVED"):
+            continue
+        count += sum(1 for where in entry.get("bundles_to_node_id", {}).values()
+                     if where == node)
+    return count
 
 
 _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
