@@ -1,16 +1,21 @@
 """Recovery from a node's death on a local multi-node Ray cluster: ringray vs Ray Train v2.
 
-    python benchmarks/recovery.py                    # both systems, side by side
-    python benchmarks/recovery.py --skip-ray-train   # ringray alone
-    python benchmarks/recovery.py --repeat 3          # alternating runs, with medians
+    python benchmarks/recovery.py                        # restart: both systems
+    python benchmarks/recovery.py --scenario replicas    # replica groups (torchft): both
+    python benchmarks/recovery.py --scenario all --repeat 3   # everything, with medians
+    python benchmarks/recovery.py --skip-ray-train       # ringray alone
     python benchmarks/recovery.py --json
 
-Seconds from the death of the node running a CP=2 ring to the first training step completed
-after the restart, how soon the failure was noticed, and the steps done again, for ringray's
-service and for Ray Train v2's ``TorchTrainer`` training the same model with the same
-checkpoints. Ray Train needs the ``bench`` extra (``pip install -e '.[bench]'``). What
-exactly is measured, and how, is in ``recovery_common.py`` next to this script; ringray's
-side is in ``recovery_ringray.py``, Ray Train's in ``recovery_ray_train.py``.
+**restart**: seconds from the death of the node running a CP=2 ring to the first training
+step completed after the restart, how soon the failure was noticed, and the steps done
+again, for ringray's service and for Ray Train v2's ``TorchTrainer`` training the same model
+with the same checkpoints. **replicas**: two replica groups averaging through torchft
+(ringray's ``parallel.dp_replicate: 2``; Ray Train v2's ``TorchftConfig``), one group's node
+killed: seconds to the survivors' next committed step, to the replacement's first step
+committed with them, the steps rolled back and the samples dropped. Ray Train needs the
+``bench`` extra (``pip install -e '.[bench]'``). What exactly is measured, and how, is in
+``recovery_common.py`` next to this script; ringray's side is in ``recovery_ringray.py``,
+Ray Train's in ``recovery_ray_train.py``.
 
 Everything the Ray processes print (raylet and worker logs, node deaths) goes to
 ``<work dir>/ray-output.log``; the terminal shows only the progress lines, the table and
@@ -42,40 +47,67 @@ from pathlib import Path  # noqa: E402
 from typing import TextIO  # noqa: E402
 
 from recovery_common import (  # noqa: E402
+    SCENARIOS,
     Log,
     RecoveryBenchOptions,
     RecoveryResult,
     local_cluster,
     recovery_table,
     summarize,
+    with_load,
 )
-from recovery_ray_train import ray_train_missing, run_ray_train  # noqa: E402
-from recovery_ringray import run_ringray  # noqa: E402
+from recovery_ray_train import (  # noqa: E402
+    SYSTEM_TORCHFT,
+    ray_train_missing,
+    run_ray_train,
+    run_ray_train_torchft,
+)
+from recovery_ringray import run_ringray, run_ringray_replicas  # noqa: E402
 from rich.console import Console  # noqa: E402
 
 RAY_OUTPUT_LOG = "ray-output.log"
 
 
+# Per scenario: the cluster's shape (worker nodes, the head's CPUs) and the systems.
+CLUSTERS = {"restart": {"worker_nodes": 2, "head_cpus": 0},
+            # two replica groups on a node each and a spare; the head's CPU is for Ray
+            # Train's Lighthouse actor (it asks for one; ringray's asks for none)
+            "replicas": {"worker_nodes": 3, "head_cpus": 1}}
+
+
 def run_recovery_bench(
     options: RecoveryBenchOptions, *, log: Log = print
 ) -> list[RecoveryResult]:
-    """Each system ``options.repeats`` times, alternating (so that a shared machine's
-    load drifts over both alike), each run on a fresh local cluster."""
-    systems = [("ringray", run_ringray)]
-    if options.ray_train:
-        missing = ray_train_missing()
-        if missing is None:
-            systems.append(("Ray Train v2", run_ray_train))
-        else:
-            log(missing)
+    """Each system of each scenario ``options.repeats`` times, alternating (so that a
+    shared machine's load drifts over all alike), each run on a fresh local cluster."""
+    ray_train = options.ray_train and ray_train_missing() is None
+    if options.ray_train and not ray_train:
+        log(ray_train_missing())
+    systems = {
+        "replicas": [("ringray", run_ringray_replicas)]
+        + ([(SYSTEM_TORCHFT, run_ray_train_torchft)] if ray_train else []),
+        "restart": [("ringray", run_ringray)]
+        + ([("Ray Train v2", run_ray_train)] if ray_train else []),
+    }
     results = []
     for run in range(1, options.repeats + 1):
-        for name, measure in systems:
-            work_dir = Path(options.work_dir) / f"run{run}"
-            log(f"{name}, run {run} of {options.repeats}")
-            with local_cluster(slots_per_node=options.slots_per_node) as nodes:
-                result = measure(options, nodes, work_dir, log)
-            results.append(replace(result, run=run))
+        for scenario in options.scenarios:
+            for name, measure in systems[scenario]:
+                work_dir = Path(options.work_dir) / f"run{run}"
+                log(f"{name}, {scenario}, run {run} of {options.repeats} "
+                    f"(load average {os.getloadavg()[0]:.1f})")
+                try:
+                    with local_cluster(slots_per_node=options.slots_per_node,
+                                       **CLUSTERS[scenario]) as nodes:
+                        result = measure(options, nodes, work_dir, log)
+                except Exception as exc:  # one run's harness failure: recorded, not fatal
+                    log(f"{name}, {scenario}, run {run}: {type(exc).__name__}: {exc}")
+                    result = RecoveryResult(
+                        system=name, scenario=scenario, death_to_first_step_seconds=None,
+                        detection_seconds=None, ready_seconds=None, steps_lost=None,
+                        restarts=0, final_step=0, finished=False,
+                        note=f"harness error: {type(exc).__name__}: {exc}"[:300])
+                results.append(replace(with_load(result), run=run))
     return results
 
 
@@ -108,10 +140,26 @@ def output_to(log_path: Path) -> Iterator[TextIO]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30, help="steps of each job")
+    parser.add_argument("--scenario", choices=(*SCENARIOS, "all"), default="restart",
+                        help="restart: from the last checkpoint (default); replicas: replica "
+                             "groups over torchft; all: both, in each run")
+    parser.add_argument("--steps", type=int, default=30, help="steps of each restart job")
     parser.add_argument("--kill-after", type=int, default=15,
-                        help="kill the ring's node once this many steps are done")
+                        help="kill the node once this many steps are done")
     parser.add_argument("--checkpoint-interval", type=int, default=10)
+    defaults = RecoveryBenchOptions(work_dir="")
+    parser.add_argument("--replica-steps", type=int, default=defaults.replica_steps,
+                        help="steps of each replicas job (the replacement must join before "
+                             "the end)")
+    parser.add_argument("--replica-tail-steps", type=int, default=defaults.replica_tail_steps,
+                        help="stop a replicas job once the replacement has committed this "
+                             "many steps with the survivors (0: run all --replica-steps)")
+    parser.add_argument("--replica-checkpoint-interval", type=int,
+                        default=defaults.replica_checkpoint_interval)
+    parser.add_argument("--replica-heartbeat", type=float,
+                        default=defaults.replica_heartbeat_seconds,
+                        help="seconds: the Lighthouse's heartbeat and join timeouts, both "
+                             "systems (default: ringray's cluster.replica_heartbeat_seconds)")
     parser.add_argument("--seq", type=int, default=1024, help="sequence length")
     parser.add_argument("--repeat", type=int, default=1,
                         help="runs of each system, alternating; medians are added")
@@ -122,8 +170,12 @@ def main() -> None:
                         help="measure ringray alone")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args()
-    if args.kill_after >= args.steps:
+    scenarios = SCENARIOS if args.scenario == "all" else (args.scenario,)
+    if "restart" in scenarios and args.kill_after >= args.steps:
         parser.error(f"--kill-after ({args.kill_after}) must be below --steps ({args.steps})")
+    if "replicas" in scenarios and args.kill_after >= args.replica_steps:
+        parser.error(f"--kill-after ({args.kill_after}) must be below --replica-steps "
+                     f"({args.replica_steps})")
 
     work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="ringray-recovery-"))
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -131,7 +183,10 @@ def main() -> None:
     options = RecoveryBenchOptions(
         work_dir=str(work_dir), steps=args.steps, kill_after_step=args.kill_after,
         checkpoint_interval=args.checkpoint_interval, seq_len=args.seq,
-        ray_train=not args.skip_ray_train, repeats=args.repeat,
+        ray_train=not args.skip_ray_train, repeats=args.repeat, scenarios=scenarios,
+        replica_steps=args.replica_steps, replica_tail_steps=args.replica_tail_steps,
+        replica_checkpoint_interval=args.replica_checkpoint_interval,
+        replica_heartbeat_seconds=args.replica_heartbeat,
     )
     where = f"Ray's output (raylets, workers, node deaths): {log_path}"
     try:
@@ -144,14 +199,19 @@ def main() -> None:
 
     if args.json:
         json.dump({"options": asdict(options), "results": [asdict(r) for r in results],
-                   "medians": [asdict(r) for r in summarize(results)]}, sys.stdout, indent=2)
+                   "medians": [asdict(r) for r in summarize(results)],
+                   "load_average": os.getloadavg()}, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         out = Console(width=max(Console().width, 100))  # rich assumes 80 columns off a tty
         out.print(recovery_table(results, options))
         for r in results:
             if r.note:
-                out.print(f"{r.system} (run {r.run}): {r.note}", highlight=False)
+                out.print(f"{r.system}, {r.scenario} (run {r.run}): {r.note}",
+                          highlight=False)
+        load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+        out.print(f"load average at the end (1, 5, 15 min): {load}; {os.cpu_count()} CPUs",
+                  highlight=False)
     sys.stdout.flush()
     print(where, file=sys.stderr, flush=True)
 
