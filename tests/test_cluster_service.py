@@ -177,6 +177,10 @@ def test_killed_worker_and_hung_worker_are_recovered(nodes, tmp_path: Path) -> N
     _assert_same_weights(_final_weights(options), _uninterrupted_weights(options, tmp_path))
 
 
+# slow (make test-all, about 50 s): make test keeps the shrink
+# (test_fsdp_job_shrinks_and_reshards_on_node_loss) and the growth
+# (tests/test_cluster_autoscale.py) on their own.
+@pytest.mark.slow
 def test_shrinks_on_node_loss_and_grows_back_once(nodes, tmp_path: Path) -> None:
     """dp range 1..2, cp=2, on two 2-slot nodes: dp=2. One node is removed and not replaced:
     the job goes on at dp=1 at once (seconds, not a startup timeout). A node added later is
