@@ -171,6 +171,17 @@ def run_ray_train(options: RecoveryBenchOptions, nodes: BenchNodes, work_dir: Pa
                              failure_config=FailureConfig(max_failures=options.max_failures),
                              callbacks=[failure_clock(str(events))]),
     )
+    log("Ray Train v2: starting the job")
+    thread, outcome = _start_fit(trainer, "ray-train-fit")
+    try:
+        return _measure_ray_train(options, nodes, events, thread, outcome, log)
+    finally:
+        _stop_and_join(thread, stop, options.finish_timeout_seconds)
+
+
+def _start_fit(trainer, name: str) -> tuple[threading.Thread, dict]:
+    """``trainer.fit()`` on a daemon thread; the dict gets ``ok`` or its ``error`` (one
+    line), so a failed run is reported rather than raised out of the thread."""
     outcome: dict = {}
 
     def fit() -> None:
@@ -180,13 +191,9 @@ def run_ray_train(options: RecoveryBenchOptions, nodes: BenchNodes, work_dir: Pa
         except BaseException as exc:  # noqa: B036 — reported, not swallowed
             outcome["error"] = f"{type(exc).__name__}: {exc}"[:300]
 
-    log("Ray Train v2: starting the job")
-    thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
+    thread = threading.Thread(target=fit, name=name, daemon=True)
     thread.start()
-    try:
-        return _measure_ray_train(options, nodes, events, thread, outcome, log)
-    finally:
-        _stop_and_join(thread, stop, options.finish_timeout_seconds)
+    return thread, outcome
 
 
 def _measure_ray_train(options: RecoveryBenchOptions, nodes: BenchNodes, events: Path,
@@ -350,18 +357,8 @@ def run_ray_train_torchft(options: RecoveryBenchOptions, nodes: BenchNodes, work
                              callbacks=[failure_clock(str(events)),
                                         resize_clock(str(events))]),
     )
-    outcome: dict = {}
-
-    def fit() -> None:
-        try:
-            trainer.fit()
-            outcome["ok"] = True
-        except BaseException as exc:  # noqa: B036 — reported, not swallowed
-            outcome["error"] = f"{type(exc).__name__}: {exc}"[:300]
-
     log(f"{SYSTEM_TORCHFT}: starting the job")
-    thread = threading.Thread(target=fit, name="ray-train-torchft-fit", daemon=True)
-    thread.start()
+    thread, outcome = _start_fit(trainer, "ray-train-torchft-fit")
     try:
         return _measure_torchft(options, nodes, events, stop, thread, outcome,
                                 train.train.steps, log)

@@ -67,6 +67,20 @@ def test_capacity_counts_every_replica_groups_workers(tmp_path) -> None:
 
 
 # ----------------------------------------------------------------- on a cluster
+def _start_replica_job(nodes, name: str, run_dir: Path, *, steps: int, interval: int,
+                       max_failures: int):
+    """Three nodes of 2 slots (one ring of cp=2 each) and a job of two replica groups on
+    them, the third node spare; the groups drop a silent one after 1 s."""
+    tag = f"slot_{name.replace('-', '_')}"
+    for _ in range(3):
+        nodes.add_node(tag, slots=2)
+    options = job_options(str(run_dir), parallel={"dp": 1, "cp": 2, "dp_replicate": 2},
+                          train={"steps": steps, "global_batch": 2, "log_every": 1000},
+                          checkpoint={"interval": interval})
+    return start_job(name, options, cluster_options(
+        tag, failure_domain=None, replica_heartbeat_seconds=1.0, max_failures=max_failures))
+
+
 def test_a_dead_replica_groups_node_stops_no_step_and_its_replacement_heals(
         nodes, tmp_path: Path) -> None:
     """Two replica groups, each a ring of 2 on a node of its own, and a spare node. Group
@@ -74,16 +88,9 @@ def test_a_dead_replica_groups_node_stops_no_step_and_its_replacement_heals(
     dropped), no step is rolled back or logged twice, the job never restarts; a replacement
     group 1 starts on the spare node, heals from group 0 and trains with it; at the last
     checkpoint both groups hold identical state."""
-    tag = "slot_replicas"
-    for _ in range(3):
-        nodes.add_node(tag, slots=2)
-    run_dir = tmp_path / "run"
-    steps = 400
-    options = job_options(str(run_dir), parallel={"dp": 1, "cp": 2, "dp_replicate": 2},
-                          train={"steps": steps, "global_batch": 2, "log_every": 1000},
-                          checkpoint={"interval": 200})
-    controller = start_job("replicas", options, cluster_options(
-        tag, failure_domain=None, replica_heartbeat_seconds=1.0, max_failures=2))
+    run_dir, steps = tmp_path / "run", 400
+    controller = _start_replica_job(nodes, "replicas", run_dir, steps=steps, interval=200,
+                                    max_failures=2)
     status = wait_until(controller, lambda s: s.step >= 20, timeout=240,
                         what="20 steps of both groups")
     assert len(status.workers) == 4
@@ -122,16 +129,9 @@ def test_a_killed_rank_costs_its_group_only_and_a_killed_lighthouse_the_checkpoi
     replaced, group 0 goes on. Then the torchft Lighthouse's actor is killed: no group can
     form a quorum, so the job takes the checkpoint path once (a restart, a new Lighthouse)
     and still finishes with every step logged once."""
-    tag = "slot_replicas_kill"
-    for _ in range(3):
-        nodes.add_node(tag, slots=2)
-    run_dir = tmp_path / "run"
-    steps = 300
-    options = job_options(str(run_dir), parallel={"dp": 1, "cp": 2, "dp_replicate": 2},
-                          train={"steps": steps, "global_batch": 2, "log_every": 1000},
-                          checkpoint={"interval": 50})
-    controller = start_job("replicas-kill", options, cluster_options(
-        tag, failure_domain=None, replica_heartbeat_seconds=1.0, max_failures=3))
+    run_dir, steps = tmp_path / "run", 300
+    controller = _start_replica_job(nodes, "replicas-kill", run_dir, steps=steps, interval=50,
+                                    max_failures=3)
     status = wait_until(controller, lambda s: s.step >= 20, timeout=240, what="20 steps")
     os.kill(status.workers[-1].pid, signal.SIGKILL)  # a rank of group 1
     status = wait_until(controller, lambda s: s.replica_losses

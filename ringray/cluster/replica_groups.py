@@ -147,7 +147,6 @@ class ReplicatedWorkerGroup:
         self.lighthouse_address: str | None = None
         self.options: TrainOptions | None = None  # one group's options (its own dp)
         self.run: RunPlan | None = None
-        self.plan_: PlacementPlan | None = None
         self.replacements = 0
         self._generation = 0  # teardowns so far: a replacement of an older one is dropped
         self._starting: dict[int, RayWorkerGroup] = {}  # replacements coming up, by index
@@ -206,7 +205,6 @@ class ReplicatedWorkerGroup:
     # ----------------------------------------------------------------- starting
     def start(self, plan: PlacementPlan) -> None:
         self._start_lighthouse()
-        self.plan_ = plan
         groups = {index: self._group(index) for index in range(self.count)}
         starts = {index: self._pool.submit(group.start, part)
                   for (index, group), part in zip(groups.items(), split_plan(plan, self.count),
@@ -285,7 +283,7 @@ class ReplicatedWorkerGroup:
         with self._lock:
             self._starting[index] = group
         try:
-            plan = self._plan_replacement(group)
+            plan = self._plan_replacement()
             group.start(plan)
             group.build(self.options, RunPlan(lineage=self.run.lineage, restore=()),
                         replica=self._replica(index, group))
@@ -302,7 +300,7 @@ class ReplicatedWorkerGroup:
                           f"s; it heals from a live peer at its first step")
         return group
 
-    def _plan_replacement(self, group: RayWorkerGroup) -> PlacementPlan:
+    def _plan_replacement(self) -> PlacementPlan:
         """One group's rings on the live nodes' slots that the live groups leave free."""
         used: dict[str, int] = {}
         for member in list(self.members.values()):
