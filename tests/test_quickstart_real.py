@@ -42,7 +42,8 @@ def test_make_run_real_makes_the_model_starts_over_and_trains_the_job() -> None:
     """`make run-real`: the model made (or reused), the run directory cleared, the job trained
     on an embedded Ray; `make run` is still the debug quickstart."""
     def recipe(target: str) -> list[str]:
-        dry = subprocess.run(["make", "-n", "-o", ".venv/.ringray-installed", target],
+        dry = subprocess.run(["make", "-n", "--no-print-directory", "-o",
+                              ".venv/.ringray-installed", target],
                              cwd=ROOT, capture_output=True, text=True, check=True)
         return dry.stdout.splitlines()
 

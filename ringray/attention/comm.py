@@ -12,6 +12,7 @@ host/device copy and no CUDA stream synchronisation.
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Sequence
 
 import torch
@@ -38,6 +39,18 @@ def agreement_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
                           timeout=group_timeout(group))
     _AGREEMENT_GROUPS[ranks] = (world, side)
     return side
+
+
+def release_agreement_groups() -> None:
+    """Drop this module's references to the side groups (and to the default group they were
+    made under). Registered to run at exit, while the interpreter is whole: gloo groups still
+    referenced when the interpreter finalises are destroyed after its runtime, and the
+    process aborts ("terminate called without an active exception") even after
+    ``destroy_process_group``."""
+    _AGREEMENT_GROUPS.clear()
+
+
+atexit.register(release_agreement_groups)
 
 
 def agree_max(values: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
