@@ -11,15 +11,29 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
 import ray
-from ray_cluster import cluster_options, finish, job_options, start_job, wait_until
+from ray_cluster import (
+    cluster_options,
+    finish,
+    job_options,
+    start_job,
+    status_of,
+    wait_until,
+)
 
 from ringray.cluster.job_options import JobOptions
-from ringray.cluster.placement import PlacementPlan, RankPlacement, RingCost
-from ringray.cluster.replica_groups import split_plan
+from ringray.cluster.placement import (
+    NodeSnapshot,
+    PlacementError,
+    PlacementPlan,
+    RankPlacement,
+    RingCost,
+)
+from ringray.cluster.replica_groups import replacement_plan, split_plan
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -47,6 +61,36 @@ def test_a_plan_splits_into_one_plan_per_replica_group_ranks_from_zero() -> None
     assert [ring.ranks for ring in second.rings] == [(0, 1), (2, 3)]
     with pytest.raises(ValueError, match=r"^parallel.dp_replicate: 3 does not divide"):
         split_plan(plan, 3)
+
+
+def _zones(**nodes: tuple[str | None, int]) -> list[NodeSnapshot]:
+    return [NodeSnapshot(node_id=name, slots=slots, labels={"zone": zone} if zone else {})
+            for name, (zone, slots) in nodes.items()]
+
+
+def test_a_replacement_goes_to_a_failure_domain_no_live_group_uses() -> None:
+    # group 0 lives on a1 (zone a); free: a2 in zone a (sorts first), c1 in zone c
+    nodes = _zones(a1=("a", 2), a2=("a", 2), c1=("c", 2))
+    plan, warning = replacement_plan(nodes, {"a1": 2}, cp=2, dp=1, failure_domain="zone")
+    assert {r.node_id for r in plan.ranks} == {"c1"} and warning is None
+    # without a domain, any free slots (the first node by id)
+    plan, warning = replacement_plan(nodes, {"a1": 2}, cp=2, dp=1, failure_domain=None)
+    assert {r.node_id for r in plan.ranks} == {"a2"} and warning is None
+
+
+def test_a_replacement_shares_a_domain_only_when_nothing_else_fits_and_says_so() -> None:
+    # zone c has one free slot, a ring needs two: the replacement goes to a2, with a warning
+    nodes = _zones(a1=("a", 2), a2=("a", 2), c1=("c", 1))
+    plan, warning = replacement_plan(nodes, {"a1": 2}, cp=2, dp=1, failure_domain="zone")
+    assert {r.node_id for r in plan.ranks} == {"a2"}
+    assert warning == ("warning: the replacement shares 'zone' a with a live replica group: "
+                       "no free slots for 1 x 2 ranks outside it")
+    # unlabelled nodes: no domain to avoid, no warning
+    plan, warning = replacement_plan(_zones(n1=(None, 2), n2=(None, 2)), {"n1": 2}, cp=2, dp=1,
+                                     failure_domain="zone")
+    assert {r.node_id for r in plan.ranks} == {"n2"} and warning is None
+    with pytest.raises(PlacementError):
+        replacement_plan(nodes, {"a1": 2, "a2": 2}, cp=2, dp=1, failure_domain="zone")
 
 
 def test_an_elastic_floor_with_replica_groups_is_one_line(tmp_path) -> None:
@@ -150,6 +194,86 @@ def test_a_killed_rank_costs_its_group_only_and_a_killed_lighthouse_the_checkpoi
     events = [e.message for e in status.events]
     assert any("the torchft Lighthouse is gone" in m for m in events), events
     assert [s["step"] for s in _steps(run_dir)] == list(range(1, steps + 1))
+
+
+def _paused(folder: Path, timeout: float = 120) -> None:
+    """Wait until a group's rank stands at the fault pause (about to send its state to a
+    healing group, which waits for it)."""
+    deadline = time.monotonic() + timeout
+    while not list(folder.glob("sending-*")):
+        assert time.monotonic() < deadline, "no group started sending its state"
+        time.sleep(0.05)
+
+
+def _kill_and_go(folder: Path, *pids: int) -> None:
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    (folder / "go").touch()
+
+
+# slow (make test-all): about 4 min on the 2-core machine.
+@pytest.mark.slow
+def test_a_replacement_or_its_peer_dying_mid_heal_and_two_groups_dying_together(
+        nodes, tmp_path: Path, monkeypatch) -> None:
+    """Three faults in one job of two replica groups, the heals held at the sender
+    (``RINGRAY_FAULT_PAUSE_DIR``) so that a kill lands inside one:
+
+    1. group 1's replacement is killed while it waits for group 0's state: it alone is lost
+       again, a second replacement heals, group 0 never restarts;
+    2. a rank of each group is killed at once: no group is left, so the job restarts from its
+       checkpoint once;
+    3. group 0 is killed while it sends its state to group 1's replacement: no group holding
+       the job's state is left, so the job restarts from its checkpoint again.
+
+    After all three every step is logged once, and the two groups hold identical state at
+    the last checkpoint."""
+    pause = tmp_path / "pause"
+    pause.mkdir()
+    monkeypatch.setenv("RINGRAY_FAULT_PAUSE_DIR", str(pause))  # the nodes' workers inherit it
+    run_dir, steps = tmp_path / "run", 400
+    controller = _start_replica_job(nodes, "replicas-heal-faults", run_dir, steps=steps,
+                                    interval=40, max_failures=8)
+
+    # 1. the replacement dies while healing
+    status = wait_until(controller, lambda s: s.step >= 20, timeout=240, what="20 steps")
+    os.kill(status.workers[-1].pid, signal.SIGKILL)  # a rank of group 1
+    _paused(pause)
+    replacement = status_of(controller).workers[-1].pid
+    assert replacement != status.workers[-1].pid
+    _kill_and_go(pause, replacement)
+    status = wait_until(controller, lambda s: len(s.replica_losses) == 2
+                        and s.replica_losses[1].healed_at_step is not None,
+                        timeout=240, what="group 1's second replacement healed")
+    assert [loss.group for loss in status.replica_losses] == [1, 1]
+    assert all(loss.reason == "actor_died" for loss in status.replica_losses)
+    assert status.replica_losses[0].healed_at_step is None and not status.restarts
+
+    # 2. both groups die together
+    saved = wait_until(controller, lambda s: (s.last_checkpoint_step or 0) > s.replica_losses[
+        1].healed_at_step, timeout=240, what="a checkpoint after the heal").last_checkpoint_step
+    status = status_of(controller)
+    os.kill(status.workers[0].pid, signal.SIGKILL)
+    os.kill(status.workers[-1].pid, signal.SIGKILL)
+    status = wait_until(controller, lambda s: len(s.restarts) == 1 and s.step > saved + 20,
+                        timeout=240, what="the restart from the checkpoint")
+    assert status.restarts[0].resumed_from_step >= saved
+
+    # 3. the peer dies while sending
+    (pause / "go").unlink()
+    for path in pause.glob("sending-*"):
+        path.unlink()
+    os.kill(status.workers[-1].pid, signal.SIGKILL)  # a rank of group 1 ...
+    _paused(pause)
+    _kill_and_go(pause, status.workers[0].pid)  # ... and group 0 while it sends to the new 1
+    status = finish(controller, timeout=400)
+
+    assert status.state == "finished", status.error
+    assert len(status.restarts) == 2
+    events = [e.message for e in status.events]
+    assert any("was the last group holding the job's state" in m for m in events), events
+    assert [s["step"] for s in _steps(run_dir)] == list(range(1, steps + 1))
+    assert any(m.startswith(f"replica groups 0, 1 hold identical state at step {steps}")
+               for m in events), events
 
 
 def test_the_memory_check_counts_every_replica_groups_workers_on_a_node() -> None:

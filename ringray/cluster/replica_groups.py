@@ -19,10 +19,11 @@ here, not recorded.
 ``cluster.step_timeout_seconds``): it alone is torn down and recorded; the others' next step
 commits without it (torchft's quorum leaves it out once its heartbeats stop,
 ``cluster.replica_heartbeat_seconds``), its slices of the batch dropped for the steps it
-misses. A replacement is placed on the live nodes outside the survivors' slots, in its own
-placement group, *in the background* while the survivors train; it starts with no
-checkpoint and at its first step heals from a live peer (weights, optimizer state, loader
-position, RNG, step), then trains with them. Replacements count against
+misses. A replacement is placed on the live nodes outside the survivors' slots, in a
+``cluster.failure_domain`` none of them uses where such free slots exist (else anywhere free,
+with a warning), in its own placement group, *in the background* while the survivors
+train; it starts with no checkpoint and at its first step heals from a live peer (weights,
+optimizer state, loader position, RNG, step), then trains with them. Replacements count against
 ``cluster.max_failures``. Only when no replica group is left alive does a failure reach the
 machine, which then recovers as without replicas: every worker restarted, the last
 checkpoint restored (two groups of two dying together take this path).
@@ -52,6 +53,7 @@ from ringray.cluster.errors import JobError, StopRequested, WorkerGroupFailure
 from ringray.cluster.job_options import JobOptions
 from ringray.cluster.nodes import HEAD_NODE_RESOURCE, schedulable_nodes
 from ringray.cluster.placement import (
+    NodeSnapshot,
     PlacementError,
     PlacementPlan,
     RankPlacement,
@@ -114,6 +116,41 @@ def split_plan(plan: PlacementPlan, count: int) -> list[PlacementPlan]:
             replace(ring, ring=i, ranks=tuple(new[r] for r in ring.ranks))
             for i, ring in enumerate(rings))))
     return plans
+
+
+def replacement_plan(nodes: list[NodeSnapshot], used: dict[str, int], *, cp: int, dp: int,
+                     failure_domain: str | None, ulysses: int = 1
+                     ) -> tuple[PlacementPlan, str | None]:
+    """Where a lost group's replacement goes: ``dp`` rings of ``cp`` on the slots of ``nodes``
+    that the live groups (``used``: slots by node id) leave free. With ``failure_domain``, on
+    nodes of a domain no live group uses where those slots suffice, so that one domain's loss
+    cannot take the replacement with a survivor; otherwise on any free slots, and the second
+    value is a warning naming the domains shared. Raises PlacementError when nothing fits."""
+    free = [replace(node, slots=node.slots - used.get(node.node_id, 0)) for node in nodes]
+    free = [node for node in free if node.slots > 0]
+
+    def place(candidates: list[NodeSnapshot]) -> PlacementPlan:
+        return plan_placement(candidates, cp=cp, dp_options=(dp,),
+                              failure_domain=failure_domain, ulysses=ulysses)
+
+    if not failure_domain:
+        return place(free), None
+    domain_of = {node.node_id: node.labels.get(failure_domain) for node in nodes}
+    live = {domain_of.get(node_id) for node_id in used} - {None}
+    apart = [node for node in free if domain_of[node.node_id] not in live]
+    if live and apart:
+        try:
+            return place(apart), None
+        except PlacementError:
+            pass
+    plan = place(free)
+    shared = sorted(live & {domain_of[r.node_id] for r in plan.ranks} - {None})
+    warning = None
+    if shared:
+        warning = (f"warning: the replacement shares {failure_domain!r} "
+                   f"{', '.join(map(str, shared))} with a live replica group: no free slots "
+                   f"for {dp} x {cp} ranks outside it")
+    return plan, warning
 
 
 class _GroupRecord:
@@ -283,7 +320,7 @@ class ReplicatedWorkerGroup:
         with self._lock:
             self._starting[index] = group
         try:
-            plan = self._plan_replacement()
+            plan = self._plan_replacement(index)
             group.start(plan)
             group.build(self.options, RunPlan(lineage=self.run.lineage, restore=()),
                         replica=self._replica(index, group))
@@ -300,20 +337,22 @@ class ReplicatedWorkerGroup:
                           f"s; it heals from a live peer at its first step")
         return group
 
-    def _plan_replacement(self) -> PlacementPlan:
-        """One group's rings on the live nodes' slots that the live groups leave free."""
+    def _plan_replacement(self, index: int) -> PlacementPlan:
+        """Group ``index``'s rings on the live nodes' slots that the live groups leave free,
+        in a failure domain of their own where possible (:func:`replacement_plan`)."""
         used: dict[str, int] = {}
         for member in list(self.members.values()):
             if member.plan_ is not None:
                 for node, n in member.plan_.slots_by_node().items():
                     used[node] = used.get(node, 0) + n
-        dp = self.options.parallel.dp
-        nodes = [replace(node, slots=node.slots - used.get(node.node_id, 0))
-                 for node in schedulable_nodes(worker_resources=self.job.worker_resources,
-                                               avoid=set())]
-        return plan_placement([n for n in nodes if n.slots > 0], cp=self.job.cp,
-                              dp_options=(dp,), failure_domain=self.cluster.failure_domain,
-                              ulysses=self.job.ulysses)
+        nodes = schedulable_nodes(worker_resources=self.job.worker_resources, avoid=set())
+        plan, warning = replacement_plan(nodes, used, cp=self.job.cp,
+                                         dp=self.options.parallel.dp,
+                                         failure_domain=self.cluster.failure_domain,
+                                         ulysses=self.job.ulysses)
+        if warning:
+            self.record.event(f"replica group {index}: {warning}")
+        return plan
 
     def _adopt(self) -> None:
         """Replacements that have come up join the next step; failed ones are tried again."""
@@ -411,8 +450,14 @@ class ReplicatedWorkerGroup:
             stats = call.result()
         except WorkerGroupFailure as exc:
             self._failure = exc.failure
-            if len(self.members) == 1:
-                raise  # the last group: the machine's recovery (checkpoint) path
+            holding = set(self.members) - self.joining - {index}
+            if not holding:  # the last group with the job's state: the checkpoint path
+                if len(self.members) > 1:
+                    joining = ", ".join(map(str, sorted(set(self.members) - {index})))
+                    self.record.event(f"replica group {index} was the last group holding the "
+                                      f"job's state (group {joining} had not healed yet): the "
+                                      f"job restarts from its checkpoint")
+                raise
             if not self._lighthouse_answers():
                 self.record.event("the torchft Lighthouse is gone: no group can form a "
                                   "quorum, so the job restarts from its checkpoint")
@@ -422,7 +467,8 @@ class ReplicatedWorkerGroup:
         if stats.healed:
             self.record.replica_healed(index, step=stats.step, seconds=stats.heal_seconds)
         if stats.committed:
-            self.joining.discard(index)
+            if stats.step > self.job_step:  # caught up (a joining group alone counts from 0)
+                self.joining.discard(index)
             self.stepped[index] = stats.step
         return stats
 

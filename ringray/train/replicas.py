@@ -59,6 +59,7 @@ belongs to whoever starts the job.
 from __future__ import annotations
 
 import importlib
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -351,6 +352,7 @@ class ReplicaSync:
     def _heal_state(self) -> dict:
         """What a peer behind us receives: the trainer's full state, FSDP shards as this
         rank's local tensors (the same rank of the peer holds the same shards)."""
+        fault_pause("sending")
         return tree_map(local_tensor, self._trainer.state_dict())
 
     def _heal_from(self, state: dict) -> None:
@@ -359,6 +361,25 @@ class ReplicaSync:
         own = trainer.state_dict()
         trainer.load_state_dict(_like(state, own))
         self._healed = True
+
+
+FAULT_PAUSE_ENV = "RINGRAY_FAULT_PAUSE_DIR"
+"""Fault injection for the replica fault tests, unset in real runs (then nothing pauses)."""
+
+
+def fault_pause(point: str, *, limit_seconds: float = 120.0) -> None:
+    """With :data:`FAULT_PAUSE_ENV` = DIR in this process's environment, write
+    ``DIR/<point>-<pid>`` and wait until ``DIR/go`` exists (at most ``limit_seconds``), so that
+    a test can kill a process while it stands at ``point`` (``sending``: a peer about to send
+    its state to a healing group, which waits for it meanwhile)."""
+    folder = os.environ.get(FAULT_PAUSE_ENV)
+    if not folder:
+        return
+    with open(os.path.join(folder, f"{point}-{os.getpid()}"), "w"):
+        pass
+    deadline = time.monotonic() + limit_seconds
+    while not os.path.exists(os.path.join(folder, "go")) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _like(received: Any, own: Any) -> Any:
