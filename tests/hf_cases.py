@@ -46,6 +46,10 @@ CASES: dict[str, tuple[str, dict]] = {
                                     max_window_layers=1,
                                     rope_parameters={"rope_type": "default",
                                                      "rope_theta": 10_000.0})),
+    # Mistral: a window of 5 keys on every layer.
+    "mistral_sliding": ("mistral", dict(sliding_window=5, head_dim=8,
+                                        rope_parameters={"rope_type": "default",
+                                                         "rope_theta": 10_000.0})),
 }
 
 
@@ -60,6 +64,7 @@ def hf_model(case: str, seed: int = 0) -> torch.nn.Module:
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     }[arch]
     config = config_class(**{**_SHAPE, **kwargs})
     config._attn_implementation = "sdpa"  # exact in float32 (eager's softmax is float32 too)

@@ -147,6 +147,13 @@ def test_parity_would_catch_a_wrong_rotation_or_scaling(checkpoints: dict) -> No
         torch.testing.assert_close(model(tokens), hf_logits, **F32_TOL)
         model.layers[1].attention.window = None
         assert (model(tokens) - hf_logits).abs().max() > 1e-2
+    hf_logits, _ = hf_logits_and_grads("mistral_sliding")  # Mistral: every layer's window
+    model = load_pretrained(str(checkpoints["mistral_sliding"]))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), hf_logits, **F32_TOL)
+        for block in model.layers:
+            block.attention.window = None
+        assert (model(tokens) - hf_logits).abs().max() > 1e-2
 
 
 def test_features_become_config_fields(checkpoints: dict) -> None:
@@ -171,6 +178,12 @@ def test_features_become_config_fields(checkpoints: dict) -> None:
     sliding = read_model_config(str(checkpoints["qwen2_sliding"]))
     assert (sliding.sliding_window, sliding.sliding_layers) == (5, (1,))
     assert [sliding.layer_window(i) for i in range(2)] == [None, 5]
+    mistral = read_model_config(str(checkpoints["mistral_sliding"]))
+    assert (mistral.sliding_window, mistral.sliding_layers) == (5, None)
+    assert not (mistral.qkv_bias or mistral.o_bias or mistral.mlp_bias or mistral.qk_norm)
+    no_window = {**json.loads((checkpoints["mistral_sliding"] / "config.json").read_text()),
+                 "sliding_window": None}
+    assert config_from_hf(no_window).sliding_window is None
     yarn = read_model_config(str(checkpoints["llama_yarn"])).rope_scaling
     assert (yarn.kind, yarn.factor, yarn.beta_fast, yarn.beta_slow) == ("yarn", 4.0, 32.0, 1.0)
 
@@ -350,7 +363,8 @@ BROKEN = {
     "architecture": (
         dict(config={"architectures": ["GPT2LMHeadModel"]}),
         r"^architectures: \['GPT2LMHeadModel'\] is not supported; supported: "
-        r"LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM \(in .*config.json\)$"),
+        r"LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM "
+        r"\(in .*config.json\)$"),
     "rope type": (
         dict(config={"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}),
         r"^rope_type: 'dynamic' is not supported; supported: default, linear, llama3, yarn"),
@@ -381,7 +395,8 @@ def test_broken_checkpoint_is_refused_in_one_line(what: str, checkpoints: dict,
     with pytest.raises(ValueError, match=pattern) as info:
         load_pretrained(path)
     assert "\n" not in str(info.value)
-    assert set(ARCHITECTURES) == {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+    assert set(ARCHITECTURES) == {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                                  "MistralForCausalLM"}
 
 
 # ------------------------------------------------------------------------------ job spec

@@ -144,8 +144,8 @@ BROKEN = {
         lambda d: _edit_config(d, intermediate_size=48),
         "shape [64, 32] in the checkpoint, expected [48, 32] from its config.json"),
     "unsupported architecture": (
-        lambda d: _edit_config(d, architectures=["MistralForCausalLM"]),
-        "['MistralForCausalLM'] is not supported; supported: LlamaForCausalLM"),
+        lambda d: _edit_config(d, architectures=["GPT2LMHeadModel"]),
+        "['GPT2LMHeadModel'] is not supported; supported: LlamaForCausalLM"),
     "tokenizer without EOS": (
         lambda d: (write_tokenizer(d, with_eos=False), _edit_config(d, eos_token_id=None)),
         "end-of-sequence"),

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out: Llama, Qwen2 and Qwen3 decoders.
+"""Hugging Face checkpoints in and out: Llama, Qwen2, Qwen3 and Mistral decoders.
 
     model = load_pretrained("ckpt/")                 # or an fsspec URL, e.g. s3://bucket/ckpt
     logits = model(tokens)
@@ -37,7 +37,7 @@ from ringray.model.safetensors_io import (
 )
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                 "Qwen3ForCausalLM": "qwen3"}
+                 "Qwen3ForCausalLM": "qwen3", "MistralForCausalLM": "mistral"}
 """Supported ``architectures`` values of config.json and their ``model_type``."""
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -166,8 +166,17 @@ def _sliding_from_hf(hf: Mapping[str, object],
                      arch: str) -> tuple[int | None, tuple[int, ...] | None]:
     """``(sliding_window, sliding_layers)`` of a config.json: Qwen2/Qwen3's
     ``use_sliding_window`` with ``layer_types`` (or, without them, the layers from
-    ``max_window_layers`` on, as transformers derives them); Llama has no window."""
+    ``max_window_layers`` on, as transformers derives them); Mistral's ``sliding_window``
+    (every layer; null: none); Llama has no window."""
     n_layers = int(_required(hf, "num_hidden_layers"))
+    if arch == "MistralForCausalLM":
+        window = hf.get("sliding_window")
+        if window is None:
+            return None, None
+        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+            raise ValueError(f"sliding_window: {window!r}; expected a positive whole number "
+                             f"of keys, or null for none")
+        return window, None
     layer_types = list(hf.get("layer_types") or [])
     unknown = sorted(set(layer_types) - set(_LAYER_TYPES))
     if unknown:
@@ -216,6 +225,9 @@ def read_model_config(path: str) -> ModelConfig:
 def _expressible(cfg: ModelConfig, arch: str) -> bool:
     if arch == "LlamaForCausalLM" and cfg.sliding_window is not None:
         return False  # Llama has no sliding window; Qwen2 and Qwen3 do
+    if arch == "MistralForCausalLM":  # no biases; a window is on every layer or none
+        return (not (cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias or cfg.qk_norm)
+                and cfg.sliding_layers is None)
     if arch == "Qwen2ForCausalLM":
         return cfg.qkv_bias and not (cfg.o_bias or cfg.mlp_bias or cfg.qk_norm)
     if arch == "Qwen3ForCausalLM":
@@ -294,10 +306,12 @@ def config_to_hf(
         max_position_embeddings=base.get("max_position_embeddings", longest),
         dtype=str(dtype).removeprefix("torch."),
     )
-    if arch != "Qwen2ForCausalLM":
+    if arch not in ("Qwen2ForCausalLM", "MistralForCausalLM"):
         out["attention_bias"] = cfg.qkv_bias
     if arch == "LlamaForCausalLM":
         out["mlp_bias"] = cfg.mlp_bias
+    elif arch == "MistralForCausalLM":
+        out["sliding_window"] = cfg.sliding_window  # every layer (null: none)
     else:
         types = ["sliding_attention" if cfg.layer_window(i) else "full_attention"
                  for i in range(cfg.n_layers)]

@@ -99,7 +99,7 @@ class ModelOptions:
     """Rotary embedding base (the same as rope.theta; give one of them)."""
     from_pretrained: Annotated[str, MinLen(1)] | None = None
     """A Hugging Face checkpoint (directory or fsspec URL with config.json, *.safetensors and
-    tokenizer.json) to start from: Llama, Qwen2 or Qwen3. Its config.json gives the shape
+    tokenizer.json) to start from: Llama, Qwen2, Qwen3 or Mistral. Its config.json gives the shape
     (preset and shape fields must be unset); rope overrides still apply."""
     rope: RopeOptions = field(default_factory=RopeOptions)
     """Rotary embedding overrides, e.g. to extend the context of a pretrained model."""
