@@ -200,17 +200,22 @@ def activation_bytes_per_token(cfg: ModelConfig, *, bf16: bool, checkpointing: C
 def ring_buffer_bytes_per_token(cfg: ModelConfig, *, cp: int, bf16: bool,
                                 ulysses: int = 1) -> int:
     """Buffers one ring-attention call allocates beyond what it saves, per local token
-    (only one layer's ring runs at a time), counted from :mod:`ringray.attention.ring`;
-    a K/V block is ``2ke`` elements per token::
+    (only one layer's ring runs at a time), counted from :mod:`ringray.attention.ring` and
+    measured (``tests/test_ring_buffers_measured.py``); a K/V block is ``2ke`` elements per
+    token, and the ring has R = cp / U ranks::
 
-        forward   kv_incoming (a)                 + out accumulator (float32, 4he)
-        backward  kv_spare x 2 (a)                + dkv_partial, dkv_done, dkv_incoming
-                                                    (float32 K/V gradient sums, x 3)
+        forward   kv_incoming x n (a)             + out accumulator (float32, 4he)
+        backward  kv_incoming x m (a)             + dK/dV sums x s (float32)
                                                   + dq accumulator (float32, 4he)
+                                                  + dq, dk, dv cast back (a, when a = 2)
 
-    The current block is the one saved by the forward (an activation). With a ring of one
-    rank there is no incoming block, no spare and only ``dkv_partial``. The larger phase
-    (the backward) is the figure.
+    with n = 0, 1, 2 at R = 1, 2, >= 3. In the backward the own block's sum accumulates
+    the others' returns (s = 1 at R = 1); at R = 2 the one other block is the one the forward
+    saved, so nothing is received, and its partial sum and the incoming return make s = 3
+    (m = 0); at R = 3 one block is received (m = 1) and a partial is computed while the last
+    one goes back (s = 4); from R = 4 two K/V blocks are in hand (m = 2, s = 4). The current
+    block is the one saved by the forward (an activation). The larger phase (the backward)
+    is the figure.
 
     With Ulysses (``ulysses`` U > 1, :mod:`ringray.attention.ulysses`) the ring has cp / U
     ranks and its K/V block per local token is ``2ker`` elements (``r``: :func:`kv_repeat`);
@@ -227,9 +232,13 @@ def ring_buffer_bytes_per_token(cfg: ModelConfig, *, cp: int, bf16: bool,
     a = 2 if bf16 else 4
     repeat = kv_repeat(cfg, ulysses)
     kv_block = 2 * k * repeat * e
-    ring = cp // ulysses > 1
-    forward = (kv_block * a if ring else 0) + 4 * h * e
-    backward = (2 * kv_block * a if ring else 0) + (3 if ring else 1) * kv_block * 4 + 4 * h * e
+    ring = cp // ulysses
+    incoming = min(ring - 1, 2)
+    received, sums = {1: (0, 1), 2: (0, 3), 3: (1, 4)}.get(ring, (2, 4))
+    forward = incoming * kv_block * a + 4 * h * e
+    backward = received * kv_block * a + sums * kv_block * 4 + 4 * h * e
+    if bf16:
+        backward += (h * e + kv_block) * a  # the gradients handed back in the inputs' dtype
     if ulysses > 1:
         forward += (h + 2 * k) * e * a
         backward = max(backward + h * e * a, 4 * (h + 2 * k * repeat) * e * a)
