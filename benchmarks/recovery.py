@@ -62,7 +62,12 @@ from recovery_ray_train import (  # noqa: E402
     run_ray_train,
     run_ray_train_torchft,
 )
-from recovery_ringray import run_ringray, run_ringray_replicas  # noqa: E402
+from recovery_ringray import (  # noqa: E402
+    SYSTEM_STANDBY,
+    run_ringray,
+    run_ringray_replicas,
+    run_ringray_standby,
+)
 from rich.console import Console  # noqa: E402
 
 RAY_OUTPUT_LOG = "ray-output.log"
@@ -84,7 +89,7 @@ def run_recovery_bench(
     if options.ray_train and not ray_train:
         log(ray_train_missing())
     systems = {
-        "replicas": [("ringray", run_ringray_replicas)]
+        "replicas": [("ringray", run_ringray_replicas), (SYSTEM_STANDBY, run_ringray_standby)]
         + ([(SYSTEM_TORCHFT, run_ray_train_torchft)] if ray_train else []),
         "restart": [("ringray", run_ringray)]
         + ([("Ray Train v2", run_ray_train)] if ray_train else []),

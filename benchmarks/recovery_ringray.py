@@ -127,22 +127,26 @@ def ringray_result(status: JobStatus, killed_at: float) -> RecoveryResult:
 
 # --------------------------------------------------------------------- replicas
 SYSTEM_REPLICAS = "ringray"
+SYSTEM_STANDBY = "ringray + standby"  # cluster.replica_standby: the replacement made ahead
 REPLACED = re.compile(rf"^replica group {LOST_GROUP} replaced in ([0-9.]+) s")
 
 
 def run_ringray_replicas(options: RecoveryBenchOptions, nodes: BenchNodes, work_dir: Path,
-                         log: Log) -> RecoveryResult:
+                         log: Log, *, standby: bool = False) -> RecoveryResult:
     """Two replica groups (a CP=2 ring each, a node each, a spare node); group 1's node is
-    killed, no node added."""
-    run_dir = work_dir / "ringray-replicas"
+    killed, no node added. ``standby``: the spare node holds a standby group's workers,
+    started ahead (``cluster.replica_standby``)."""
+    system = SYSTEM_STANDBY if standby else SYSTEM_REPLICAS
+    run_dir = work_dir / ("ringray-standby" if standby else "ringray-replicas")
     job = JobOptions(
-        name="recovery-bench-replicas",
+        name="recovery-bench-standby" if standby else "recovery-bench-replicas",
         train=bench_train_options(options, str(run_dir), replicas=REPLICAS),
         cluster=ClusterOptions(
             worker_resources={"CPU": 1.0, SLOT_RESOURCE: 1.0},
             max_failures=options.max_failures, request_resources=False,
             failure_domain=None,  # the bench's nodes have no zone labels
             replica_heartbeat_seconds=options.replica_heartbeat_seconds,
+            replica_standby=standby,
         ),
         metrics=MetricsOptions(port=None),
     )
@@ -152,7 +156,9 @@ def run_ringray_replicas(options: RecoveryBenchOptions, nodes: BenchNodes, work_
         try:
             def reached_kill_step() -> bool:
                 status = _status(controller)
-                return status.step >= options.kill_after_step or status.done
+                ready = not standby or any("a standby group is up" in e.message
+                                           for e in status.events)
+                return (status.step >= options.kill_after_step and ready) or status.done
 
             workers_up: list[float] = []  # when the replacement's workers answered
 
@@ -169,16 +175,16 @@ def run_ringray_replicas(options: RecoveryBenchOptions, nodes: BenchNodes, work_
                         or tail_done(replica_figures(tail.snapshot(), killed_at), options))
 
             if not wait_for(reached_kill_step, timeout=options.start_timeout_seconds):
-                return _gave_up_replicas(_status(controller), tail,
+                return _gave_up_replicas(system, _status(controller), tail,
                                          f"step {options.kill_after_step} not reached")
             status = _status(controller)
             if status.done:
-                return _gave_up_replicas(status, tail,
+                return _gave_up_replicas(system, status, tail,
                                          f"ended early: {status.state} ({status.error})")
             before = status.workers
             doomed = status.workers[-1].node_id  # group 1's ranks come last
             if doomed in {w.node_id for w in status.workers[:len(status.workers) // 2]}:
-                return _gave_up_replicas(status, tail, "the groups share a node")
+                return _gave_up_replicas(system, status, tail, "the groups share a node")
             log(f"ringray replicas: killing replica group {LOST_GROUP}'s node at step "
                 f"{status.step}")
             killed_at = nodes.kill_and_replace(nodes.by_id(doomed), replace=False)
@@ -199,7 +205,14 @@ def run_ringray_replicas(options: RecoveryBenchOptions, nodes: BenchNodes, work_
             release(controller)
     return ringray_replicas_result(status, tail.snapshot(), _events(run_dir), killed_at,
                                    cut_back=tail.cut_back, stopped=stopped,
-                                   workers_up_at=workers_up[0] if workers_up else None)
+                                   workers_up_at=workers_up[0] if workers_up else None,
+                                   system=system)
+
+
+def run_ringray_standby(options: RecoveryBenchOptions, nodes: BenchNodes, work_dir: Path,
+                        log: Log) -> RecoveryResult:
+    """:func:`run_ringray_replicas` with the replacement's workers started ahead."""
+    return run_ringray_replicas(options, nodes, work_dir, log, standby=True)
 
 
 def _events(run_dir: Path) -> list[dict]:
@@ -209,8 +222,9 @@ def _events(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _gave_up_replicas(status: JobStatus, tail: StepsTail, why: str) -> RecoveryResult:
-    return RecoveryResult(system=SYSTEM_REPLICAS, scenario="replicas",
+def _gave_up_replicas(system: str, status: JobStatus, tail: StepsTail,
+                      why: str) -> RecoveryResult:
+    return RecoveryResult(system=system, scenario="replicas",
                           death_to_first_step_seconds=None, detection_seconds=None,
                           ready_seconds=None, steps_lost=None,
                           restarts=len(status.restarts), final_step=status.step,
@@ -220,7 +234,8 @@ def _gave_up_replicas(status: JobStatus, tail: StepsTail, why: str) -> RecoveryR
 def ringray_replicas_result(status: JobStatus, steps: list[tuple[float, dict]],
                             events: list[dict], killed_at: float, *,
                             cut_back: int = 0, stopped: bool = False,
-                            workers_up_at: float | None = None) -> RecoveryResult:
+                            workers_up_at: float | None = None,
+                            system: str = SYSTEM_REPLICAS) -> RecoveryResult:
     """The figures of the replicas scenario from the stamped steps and the job's events;
     ``stopped``: the harness stopped the job once it had what it measures;
     ``workers_up_at``: when the job's status first listed the replacement's workers (their
@@ -245,7 +260,7 @@ def ringray_replicas_result(status: JobStatus, steps: list[tuple[float, dict]],
         notes.append(f"steps.jsonl cut back {cut_back}x")
     figures = replica_figures(steps, killed_at)
     return replica_result(
-        SYSTEM_REPLICAS, figures, killed_at=killed_at,
+        system, figures, killed_at=killed_at,
         detected_at=None if lost is None else lost["time"],
         ready_at=None if replaced is None else replaced[0]["time"],
         replacement_started_at=(None if replaced is None

@@ -112,9 +112,10 @@ def test_capacity_counts_every_replica_groups_workers(tmp_path) -> None:
 
 # ----------------------------------------------------------------- on a cluster
 def _start_replica_job(nodes, name: str, run_dir: Path, *, steps: int, interval: int,
-                       max_failures: int):
+                       max_failures: int, standby: bool = False):
     """Three nodes of 2 slots (one ring of cp=2 each) and a job of two replica groups on
-    them, the third node spare; the groups drop a silent one after 1 s."""
+    them, the third node spare (or holding the standby group); the groups drop a silent one
+    after 1 s."""
     tag = f"slot_{name.replace('-', '_')}"
     for _ in range(3):
         nodes.add_node(tag, slots=2)
@@ -122,22 +123,26 @@ def _start_replica_job(nodes, name: str, run_dir: Path, *, steps: int, interval:
                           train={"steps": steps, "global_batch": 2, "log_every": 1000},
                           checkpoint={"interval": interval})
     return start_job(name, options, cluster_options(
-        tag, failure_domain=None, replica_heartbeat_seconds=1.0, max_failures=max_failures))
+        tag, failure_domain=None, replica_heartbeat_seconds=1.0, max_failures=max_failures,
+        replica_standby=standby))
 
 
 def test_a_dead_replica_groups_node_stops_no_step_and_its_replacement_heals(
         nodes, tmp_path: Path) -> None:
-    """Two replica groups, each a ring of 2 on a node of its own, and a spare node. Group
-    1's node is killed mid-run: group 0's steps keep committing (alone: group 1's slices
-    dropped), no step is rolled back or logged twice, the job never restarts; a replacement
-    group 1 starts on the spare node, heals from group 0 and trains with it; at the last
-    checkpoint both groups hold identical state."""
+    """Two replica groups, each a ring of 2 on a node of its own, and a standby group's
+    workers started ahead on the third node (``cluster.replica_standby``). Group 1's node is
+    killed mid-run: group 0's steps keep committing (alone: group 1's slices dropped), no
+    step is rolled back or logged twice, the job never restarts; the standby becomes group 1
+    (it joins a process group, builds, heals from group 0 and trains with it); at the last
+    checkpoint both groups hold identical state. (A replacement started from nothing, with
+    no standby: the slow tests below.)"""
     run_dir, steps = tmp_path / "run", 400
     controller = _start_replica_job(nodes, "replicas", run_dir, steps=steps, interval=200,
-                                    max_failures=2)
-    status = wait_until(controller, lambda s: s.step >= 20, timeout=240,
-                        what="20 steps of both groups")
-    assert len(status.workers) == 4
+                                    max_failures=2, standby=True)
+    status = wait_until(controller, lambda s: s.step >= 20 and any(
+        "a standby group is up" in e.message for e in s.events), timeout=240,
+                        what="20 steps of both groups and the standby up")
+    assert len(status.workers) == 4  # the standby's workers are not listed
     doomed_id = status.workers[-1].node_id  # group 1's ranks come last
     assert {w.node_id for w in status.workers[:2]} != {doomed_id}
     doomed = next(n for n in nodes.nodes if n.node_id == doomed_id)
@@ -151,7 +156,7 @@ def test_a_dead_replica_groups_node_stops_no_step_and_its_replacement_heals(
     assert not status.restarts and status.failures_used == 0
     events = [e.message for e in status.events]
     assert any(m.startswith("replica group 1 lost (") for m in events), events
-    assert any("replica group 1 replaced in" in m for m in events), events
+    assert any("replica group 1 replaced by the standby group in" in m for m in events), events
     logged = _steps(run_dir)
     assert [s["step"] for s in logged] == list(range(1, steps + 1))  # none rolled back
     assert all(s["committed"] for s in logged)

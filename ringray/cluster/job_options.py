@@ -64,6 +64,11 @@ class ClusterOptions:
     """With parallel.dp_replicate > 1: a replica group silent this long is left out of the
     next quorum (the survivors' next step commits without it), and the first quorum waits
     this long for every group."""
+    replica_standby: bool = False
+    """With parallel.dp_replicate > 1: keep one replica group's workers started ahead on free
+    slots apart from the live groups (processes up, devices set, no process group), so that a
+    lost group's replacement only joins, builds and heals instead of starting processes. The
+    standby holds its slots while it waits."""
 
     def __post_init__(self) -> None:
         resources = self.worker_resources

@@ -155,16 +155,26 @@ def replacement_plan(nodes: list[NodeSnapshot], used: dict[str, int], *, cp: int
 
 class _GroupRecord:
     """What one replica group's worker group records: its events, marked with the group, and
-    its workers, merged with the other groups' into the job's list."""
+    its workers, merged with the other groups' into the job's list. A standby's (``index``
+    None until it replaces a group) are kept out of the job's list until then."""
 
-    def __init__(self, parent: ReplicatedWorkerGroup, index: int) -> None:
+    def __init__(self, parent: ReplicatedWorkerGroup, index: int | None) -> None:
         self.parent, self.index = parent, index
+        self.healths: tuple = ()
 
     def event(self, message: str, *, exc: BaseException | None = None) -> None:
-        self.parent.record.event(f"replica group {self.index}: {message}", exc=exc)
+        who = "the standby group" if self.index is None else f"replica group {self.index}"
+        self.parent.record.event(f"{who}: {message}", exc=exc)
 
     def workers(self, healths: tuple) -> None:
-        self.parent.group_workers(self.index, healths)
+        self.healths = healths
+        if self.index is not None:
+            self.parent.group_workers(self.index, healths)
+
+    def become(self, index: int) -> None:
+        """The standby takes group ``index``'s place: its workers join the job's list."""
+        self.index = index
+        self.parent.group_workers(index, self.healths)
 
 
 class ReplicatedWorkerGroup:
@@ -192,15 +202,18 @@ class ReplicatedWorkerGroup:
         self._failure: Failure | None = None
         self._healths: dict[int, tuple] = {}
         self._incarnation = 0
+        self._standby: Future | None = None  # cluster.replica_standby: a group made ahead
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=2 * self.count + 1,
+        self._pool = ThreadPoolExecutor(max_workers=2 * self.count + 2,
                                         thread_name_prefix="ringray-replicas")
 
-    def _group(self, index: int) -> RayWorkerGroup:
+    def _group(self, index: int | None) -> RayWorkerGroup:
+        """A new worker group for replica group ``index`` (None: the standby, which is named
+        as a replica group so that the workers' memory check counts its bundles)."""
         self._incarnation += 1
         return RayWorkerGroup(self.job, _GroupRecord(self, index), should_stop=self.should_stop,
-                              name=f"ringray-{self.job.name}-replica{index}-"
-                                   f"{self._incarnation}")
+                              name=f"ringray-{self.job.name}-replica"
+                                   f"{'-standby' if index is None else index}-{self._incarnation}")
 
     def group_workers(self, index: int, healths: tuple) -> None:
         with self._lock:
@@ -288,6 +301,7 @@ class ReplicatedWorkerGroup:
         restored = {index: future.result() for index, future in builds.items()}
         self.stepped = {index: r.step for index, r in restored.items()}
         self.job_step = restored[0].step
+        self._prepare_standby()
         return restored[0]
 
     # ----------------------------------------------------------------- losing and replacing
@@ -315,13 +329,16 @@ class ReplicatedWorkerGroup:
         """A new group ``index`` on the live nodes, built with no checkpoint: it heals from
         a live peer at its first step. A teardown meanwhile kills it where it is."""
         started = time.monotonic()
-        group = self._group(index)
         generation = self._generation
+        group = self._join_standby(index)
+        ahead = group is not None
+        if group is None:
+            group = self._group(index)
         with self._lock:
             self._starting[index] = group
         try:
-            plan = self._plan_replacement(index)
-            group.start(plan)
+            if not ahead:
+                group.start(self._plan_replacement(index))
             group.build(self.options, RunPlan(lineage=self.run.lineage, restore=()),
                         replica=self._replica(index, group))
         except BaseException:
@@ -332,16 +349,96 @@ class ReplicatedWorkerGroup:
             with self._lock:
                 self._starting.pop(index, None)
         if generation != self._generation:
+            group.teardown()  # (again, if the teardown found it starting: that is harmless)
             raise JobError(f"replica group {index}'s replacement came up after a teardown")
-        self.record.event(f"replica group {index} replaced in {time.monotonic() - started:.1f} "
-                          f"s; it heals from a live peer at its first step")
+        how = " by the standby group" if ahead else ""
+        self.record.event(f"replica group {index} replaced{how} in "
+                          f"{time.monotonic() - started:.1f} s; it heals from a live peer at "
+                          f"its first step")
         return group
 
-    def _plan_replacement(self, index: int) -> PlacementPlan:
+    # ----------------------------------------------------------------- the standby
+    def _prepare_standby(self) -> None:
+        """With ``cluster.replica_standby``: start one group's workers ahead (in the
+        background), on free slots apart from the live groups, up to the point of joining a
+        process group, so that a replacement only joins, builds and heals."""
+        if self.cluster.replica_standby and self._standby is None and self.options is not None:
+            self._standby = self._pool.submit(self._start_standby, self._generation)
+
+    def _start_standby(self, generation: int) -> RayWorkerGroup | None:
+        group = self._group(None)
+        with self._lock:
+            self._starting[-1] = group  # a teardown meanwhile kills it
+        try:
+            group.prepare(self._plan_replacement(None))
+        except PlacementError as exc:
+            self.record.event(f"no standby group: {exc}")
+            return None
+        except BaseException:
+            if generation == self._generation:
+                group.teardown()
+            raise
+        finally:
+            with self._lock:
+                self._starting.pop(-1, None)
+        if generation != self._generation:
+            return None
+        nodes = ", ".join(sorted(group.plan_.slots_by_node()))
+        self.record.event(f"a standby group is up on {nodes}, ready to replace a lost group")
+        return group
+
+    def _join_standby(self, index: int) -> RayWorkerGroup | None:
+        """The standby as group ``index``, its process group formed; None (and the standby
+        torn down) if there is none, or it did not come up, or it cannot join. The next
+        standby is started once the replacement is adopted (:meth:`_adopt`)."""
+        group = self._take_standby(index)
+        if group is None:
+            return None
+        with self._lock:
+            self._starting[index] = group  # a teardown meanwhile kills it
+        try:
+            group.record.become(index)
+            group.join_group()
+        except (WorkerGroupFailure, JobError) as exc:
+            self.record.event(f"replica group {index}: the standby group could not join "
+                              f"({exc}); starting a replacement")
+            group.teardown()
+            return None
+        finally:
+            with self._lock:
+                self._starting.pop(index, None)
+        return group
+
+    def _take_standby(self, index: int) -> RayWorkerGroup | None:
+        """The standby, if it came up and its nodes are all live (else it is torn down)."""
+        future, self._standby = self._standby, None
+        if future is None:
+            return None
+        try:
+            group = future.result()
+        except Exception as exc:
+            self.record.event(f"replica group {index}: the standby group did not come up "
+                              f"({exc}); starting a replacement")
+            return None
+        if group is None:
+            return None
+        live = {node.node_id for node in schedulable_nodes(
+            worker_resources=self.job.worker_resources, avoid=set())}
+        if not set(group.plan_.slots_by_node()) <= live:
+            group.teardown()
+            return None
+        return group
+
+    def _plan_replacement(self, index: int | None) -> PlacementPlan:
         """Group ``index``'s rings on the live nodes' slots that the live groups leave free,
         in a failure domain of their own where possible (:func:`replacement_plan`)."""
         used: dict[str, int] = {}
-        for member in list(self.members.values()):
+        standby = self._standby
+        holders = list(self.members.values())
+        if standby is not None and standby.done() and standby.exception() is None \
+                and standby.result() is not None:
+            holders.append(standby.result())  # its slots are taken too
+        for member in holders:
             if member.plan_ is not None:
                 for node, n in member.plan_.slots_by_node().items():
                     used[node] = used.get(node, 0) + n
@@ -351,7 +448,8 @@ class ReplicatedWorkerGroup:
                                          failure_domain=self.cluster.failure_domain,
                                          ulysses=self.job.ulysses)
         if warning:
-            self.record.event(f"replica group {index}: {warning}")
+            who = "the standby group" if index is None else f"replica group {index}"
+            self.record.event(f"{who}: {warning}")
         return plan
 
     def _adopt(self) -> None:
@@ -368,6 +466,7 @@ class ReplicatedWorkerGroup:
             try:
                 self.members[index] = future.result()
                 self.joining.add(index)
+                self._prepare_standby()  # for the next loss
             except StopRequested:
                 continue  # the machine stops the job
             except (WorkerGroupFailure, JobError, PlacementError) as exc:
@@ -554,6 +653,10 @@ class ReplicatedWorkerGroup:
         self._retry_at.clear()
         for group in self.members.values():
             group.teardown()
+        standby, self._standby = self._standby, None
+        if standby is not None and standby.done() and standby.exception() is None \
+                and standby.result() is not None:
+            standby.result().teardown()  # one still starting is in _starting, torn down above
         for call in self.inflight.values():
             call.cancel()
         self.members, self.stepped, self.inflight, self.joining = {}, {}, {}, set()

@@ -230,13 +230,14 @@ class TrainWorker:
         return self.session
 
 
-_REPLICA_GROUP_NAME = re.compile(r"^(?P<job>.+)-replica\d+-\d+$")
+_REPLICA_GROUP_NAME = re.compile(r"^(?P<job>.+)-replica(?:\d+|-standby)-\d+$")
 
 
 def job_bundles_on_node(table: dict, own_name: str, own_bundles: dict, node: str) -> int:
     """Bundles on ``node`` of the placement group named ``own_name`` and, when that is a
-    replica group's (``ringray-<job>-replica<i>-<n>``, :mod:`.replica_groups`), of the job's
-    other live replica groups' in ``table`` (``placement_group_table()``). A group still being
+    replica group's (``ringray-<job>-replica<i>-<n>``, or the standby's
+    ``ringray-<job>-replica-standby-<n>``: :mod:`.replica_groups`), of the job's other live
+    replica groups' in ``table`` (``placement_group_table()``). A group still being
     made when this looks is not counted."""
     count = sum(1 for where in own_bundles.values() if where == node)
     match = _REPLICA_GROUP_NAME.match(own_name)

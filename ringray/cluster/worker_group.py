@@ -116,6 +116,13 @@ class RayWorkerGroup:
 
     # ----------------------------------------------------------------- starting
     def start(self, plan: PlacementPlan) -> None:
+        self.prepare(plan)
+        self.join_group()
+
+    def prepare(self, plan: PlacementPlan) -> None:
+        """The first half of :meth:`start`: the placement group reserved, the workers up
+        (processes started, torch imported), placed as planned and their devices set; no
+        process group yet. A replica group's standby stops here (:mod:`.replica_groups`)."""
         timeout = self.cluster.startup_timeout_seconds
         try:
             self._create_workers(plan)
@@ -128,6 +135,13 @@ class RayWorkerGroup:
             self.watch.track(self.workers, tuple(h.node_id for h in healths))
             self.record.workers(tuple(healths))
             self._set_up_devices()
+        except CallTimeout as exc:
+            raise WorkerGroupFailure(Failure(kind=FailureKind.STARTUP, detail=str(exc))) from None
+
+    def join_group(self) -> None:
+        """The second half of :meth:`start`: the workers form their process group."""
+        timeout = self.cluster.startup_timeout_seconds
+        try:
             host, port = self.watch.wait([self.workers[0].rendezvous_address.remote()],
                                          timeout=timeout, should_stop=self.should_stop)[0]
             self.address = (host, port)
