@@ -128,7 +128,8 @@ def ringray_result(status: JobStatus, killed_at: float) -> RecoveryResult:
 # --------------------------------------------------------------------- replicas
 SYSTEM_REPLICAS = "ringray"
 SYSTEM_STANDBY = "ringray + standby"  # cluster.replica_standby: the replacement made ahead
-REPLACED = re.compile(rf"^replica group {LOST_GROUP} replaced in ([0-9.]+) s")
+REPLACED = re.compile(
+    rf"^replica group {LOST_GROUP} replaced(?: by the standby group)? in ([0-9.]+) s")
 
 
 def run_ringray_replicas(options: RecoveryBenchOptions, nodes: BenchNodes, work_dir: Path,
