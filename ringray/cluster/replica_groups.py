@@ -409,6 +409,13 @@ class ReplicatedWorkerGroup:
                 self._starting.pop(index, None)
         return group
 
+    def _standby_up(self) -> RayWorkerGroup | None:
+        """The standby if it has come up (without waiting for one still starting)."""
+        future = self._standby
+        if future is None or not future.done() or future.exception() is not None:
+            return None
+        return future.result()
+
     def _take_standby(self, index: int) -> RayWorkerGroup | None:
         """The standby, if it came up and its nodes are all live (else it is torn down)."""
         future, self._standby = self._standby, None
@@ -433,11 +440,8 @@ class ReplicatedWorkerGroup:
         """Group ``index``'s rings on the live nodes' slots that the live groups leave free,
         in a failure domain of their own where possible (:func:`replacement_plan`)."""
         used: dict[str, int] = {}
-        standby = self._standby
-        holders = list(self.members.values())
-        if standby is not None and standby.done() and standby.exception() is None \
-                and standby.result() is not None:
-            holders.append(standby.result())  # its slots are taken too
+        standby = self._standby_up()  # its slots are taken too
+        holders = list(self.members.values()) + ([standby] if standby else [])
         for member in holders:
             if member.plan_ is not None:
                 for node, n in member.plan_.slots_by_node().items():
@@ -653,10 +657,10 @@ class ReplicatedWorkerGroup:
         self._retry_at.clear()
         for group in self.members.values():
             group.teardown()
-        standby, self._standby = self._standby, None
-        if standby is not None and standby.done() and standby.exception() is None \
-                and standby.result() is not None:
-            standby.result().teardown()  # one still starting is in _starting, torn down above
+        standby = self._standby_up()
+        self._standby = None
+        if standby is not None:
+            standby.teardown()  # one still starting is in _starting, torn down above
         for call in self.inflight.values():
             call.cancel()
         self.members, self.stepped, self.inflight, self.joining = {}, {}, {}, set()
