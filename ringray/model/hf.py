@@ -169,14 +169,6 @@ def _sliding_from_hf(hf: Mapping[str, object],
     ``max_window_layers`` on, as transformers derives them); Mistral's ``sliding_window``
     (every layer; null: none); Llama has no window."""
     n_layers = int(_required(hf, "num_hidden_layers"))
-    if arch == "MistralForCausalLM":
-        window = hf.get("sliding_window")
-        if window is None:
-            return None, None
-        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-            raise ValueError(f"sliding_window: {window!r}; expected a positive whole number "
-                             f"of keys, or null for none")
-        return window, None
     layer_types = list(hf.get("layer_types") or [])
     unknown = sorted(set(layer_types) - set(_LAYER_TYPES))
     if unknown:
@@ -186,7 +178,9 @@ def _sliding_from_hf(hf: Mapping[str, object],
         if hf.get("use_sliding_window") or "sliding_attention" in layer_types:
             raise ValueError("use_sliding_window: LlamaForCausalLM has no sliding window")
         return None, None
-    if layer_types:
+    if arch == "MistralForCausalLM":  # every layer, when the window is set
+        sliding = list(range(n_layers)) if hf.get("sliding_window") is not None else []
+    elif layer_types:
         if len(layer_types) != n_layers:
             raise ValueError(f"layer_types: {len(layer_types)} entries for "
                              f"num_hidden_layers={n_layers}")
