@@ -50,8 +50,10 @@ def test_bench_ring_with_documents_reports_every_layout():
     ])
     assert result.exit_code == 0, result.output
     rows = {r["layout"]: r for r in json.loads(result.stdout)}
-    assert list(rows) == ["zigzag", "striped", "contiguous", "balanced"]
+    assert list(rows) == ["zigzag", "striped", "contiguous", "balanced", "whole"]
     for row in rows.values():
         assert_summary_follows_from_the_ranks(row, ranks=2)
         assert row["step_imbalance_theoretical"] >= row["imbalance_theoretical"] - 1e-9
     assert rows["balanced"]["imbalance_theoretical"] <= 1.02
+    assert rows["whole"]["imbalance_theoretical"] <= 1.02
+    assert rows["whole"]["bytes_sent_per_rank"] < rows["balanced"]["bytes_sent_per_rank"]

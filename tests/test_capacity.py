@@ -84,17 +84,18 @@ def test_hand_computed_small_case():
     Local tokens: 2 sequences x 8192 / 4 = 4096 -> activations 4096 * 52148 = 213_598_208 B.
     The loss's chunk (all 4096 tokens: fewer than 4096 a chunk): 12 * 320 * 4096 =
       15_728_640 B at the start of the backward.
-    Ring buffers per token (a ring of 4): backward 2 received K/V blocks 2*(2*2*32)*2 = 512,
-      four fp32 dK/dV sums 4*(2*2*32)*4 = 2048, fp32 dQ 4*8*32 = 1024, dq/dk/dv cast back to
-      bf16 (8*32 + 2*2*32)*2 = 768 -> 4352; x 4096 = 17_825_792 B.
+    Ring buffers per token (a ring of 4): backward 2 received K/V blocks and the own block's
+      rows gathered for a reader, 3*(2*2*32)*2 = 768, four fp32 dK/dV sums 4*(2*2*32)*4 =
+      2048, fp32 dQ 4*8*32 = 1024, dq/dk/dv cast back to bf16 (8*32 + 2*2*32)*2 = 768 ->
+      4608; x 4096 = 18_874_368 B.
     Parameters: per layer 256*32*(16+4) + 3*256*512 + 2*256 = 557_568; x4 + 256 + 2*320*256
       = 2_394_368; matmul ones (bf16 copies) 4*(163_840 + 393_216) + 320*256 = 2_310_144.
       weights 4*2_394_368 + 2*2_310_144 = 14_197_760; grads 9_577_472; AdamW 19_154_944.
     Peak, at the backward's start (every activation; of the gradients only the root's 164_096
     and one block's 557_568 parameters', 4 B each: 2_886_656; the ring's buffers, larger
-    than the loss chunk): 14_197_760 + 19_154_944 + 2_886_656 + 213_598_208 + 17_825_792 =
-    267_663_360 B. (At its end: all 9_577_472 B of
-    gradients, one block's 4096 x 12328 B of activations and the ring buffers, 77_898_752
+    than the loss chunk): 14_197_760 + 19_154_944 + 2_886_656 + 213_598_208 + 18_874_368 =
+    268_711_936 B. (At its end: all 9_577_472 B of
+    gradients, one block's 4096 x 12328 B of activations and the ring buffers, 78_947_328
     B, less. Without checkpointing the backward's working set is the ring's buffers.)
     Overlap: F/B = 1e14 / 12.5e9 = 8000 FLOP/B; forward 8000 * k a / (2 r h) with r = 1/2:
       8000 * 4 / 8 = 4000 tokens; backward 8000 * k (a+4) / (5 r h) = 8000 * 12 / 20 = 4800.
@@ -107,20 +108,20 @@ def test_hand_computed_small_case():
     assert activation_bytes_per_token(cfg, bf16=True, checkpointing="none") == 51124
     assert layer_activation_bytes_per_token(cfg, bf16=True, ring=4) == 12328
     assert activation_bytes_per_token(cfg, bf16=True, checkpointing="none", ring=4) == 52148
-    assert ring_buffer_bytes_per_token(cfg, cp=4, bf16=True) == 4352
+    assert ring_buffer_bytes_per_token(cfg, cp=4, bf16=True) == 4608
     assert cfg.num_params() == 2_394_368
 
     cluster = custom_cluster(tflops=100, link_gbps=100, memory_gib=16)
     memory = memory_breakdown(inputs, cluster.accelerator)
     assert memory.activations_bytes == 213_598_208
-    assert memory.ring_buffers_bytes == 17_825_792
+    assert memory.ring_buffers_bytes == 18_874_368
     assert memory.loss_chunk_bytes == 15_728_640
     assert (memory.weights_bytes, memory.gradients_bytes, memory.optimizer_bytes) == (
         14_197_760, 9_577_472, 19_154_944)
     assert memory.first_gradients_bytes == 2_886_656
     assert memory.last_block_kept_bytes == 4096 * 12328
     assert memory.backward_working_bytes == memory.ring_buffers_bytes  # nothing recomputed
-    assert memory.peak_bytes == 267_663_360 and memory.peak_moment == "backward start"
+    assert memory.peak_bytes == 268_711_936 and memory.peak_moment == "backward start"
     assert memory.usable_bytes == int(16 * GIB * 0.9) and memory.fits
 
     forward, backward = overlap_threshold_tokens(
@@ -153,16 +154,16 @@ def test_selective_checkpointing_keeps_the_ring_tensors_and_recomputes_one_regio
 
 def test_backward_working_set_per_checkpointing_mode():
     """What a block's backward adds to the kept activations (4096 local tokens, ring buffers
-    4352 B/token; cp 4, so a block on the ring is 12328 and its ring part 1568): none, the
+    4608 B/token; cp 4, so a block on the ring is 12328 and its ring part 1568): none, the
     ring buffers; full, the larger of the whole recomputed block (12328) and what stays of
     it through the ring's backward (before the ring 3588 + the ring's saved 1568) plus the
     buffers: max(12328, 9508) = 12328; selective, whose two
     regions are rebuilt before and after the ring's backward, not during it: max(7172,
-    3588, 4352) = 7172."""
+    3588, 4608) = 7172."""
     device = ACCELERATORS["H100"]
     working = {mode: memory_breakdown(small_inputs(activation_checkpointing=mode), device)
                .backward_working_bytes for mode in ("none", "full", "selective")}
-    assert working == {"none": 4096 * 4352, "full": 4096 * 12328, "selective": 4096 * 7172}
+    assert working == {"none": 4096 * 4608, "full": 4096 * 12328, "selective": 4096 * 7172}
 
 
 def test_fsdp_divides_the_static_memory_and_adds_gathered_blocks():
@@ -174,9 +175,9 @@ def test_fsdp_divides_the_static_memory_and_adds_gathered_blocks():
     = 188_432_384. Gathered (w = 2): the root (two 320 x
     256 tables and the final norm: 164_096) twice (weights, gradients), 656_384, plus one
     block's 557_568 x (2*2 + max(2, 4)) = 4_460_544. Peak, at the backward's start (the
-    first gradients: 4 x 721_664 / 4 = 721_664; the ring's buffers, 4096 x 4352 =
-    17_825_792, larger than the loss chunk): 2_394_368 + 4_788_736 + 721_664 + 188_432_384
-    + 17_825_792 + 5_116_928 = 219_279_872 B."""
+    first gradients: 4 x 721_664 / 4 = 721_664; the ring's buffers, 4096 x 4608 =
+    18_874_368, larger than the loss chunk): 2_394_368 + 4_788_736 + 721_664 + 188_432_384
+    + 18_874_368 + 5_116_928 = 220_328_448 B."""
     inputs = small_inputs(fsdp=True)
     cfg = inputs.model
     assert layer_activation_bytes_per_token(cfg, bf16=True, bf16_weights=True) == 10536
@@ -187,7 +188,7 @@ def test_fsdp_divides_the_static_memory_and_adds_gathered_blocks():
         2_394_368, 2_394_368, 4_788_736)
     assert memory.activations_bytes == 188_432_384
     assert memory.gathered_bytes == 5_116_928
-    assert memory.peak_bytes == 219_279_872
+    assert memory.peak_bytes == 220_328_448
     # One device shards nothing: FSDP is then the replicated run (autocast, no gathering).
     alone = memory_breakdown(small_inputs(fsdp=True, cp=1), ACCELERATORS["H100"])
     assert alone == memory_breakdown(small_inputs(cp=1), ACCELERATORS["H100"])

@@ -1,7 +1,8 @@
 """Document-masked ring attention on real gloo process groups equals float64 attention with a
 materialised block-diagonal (causal) mask, and no document leaks into another.
 
-Ring sizes 1 to 5; layouts contiguous, zigzag, striped, balanced and a random permutation;
+Ring sizes 1 to 5; layouts contiguous, zigzag, striped, balanced (whole in the skip and
+no-leak cases, and with Triton) and a random permutation;
 causal and full; MHA and GQA; float32 and bfloat16; document sets with a length-1 document,
 lengths that are no multiple of 2N, one document over the whole sequence, and 40 tiny
 documents (which the planner handles by tiles). Forward output, LSE and dq/dk/dv on every
@@ -23,7 +24,8 @@ OTHER_BACKENDS = {
         dc.DocCase("zigzag", "mixed", "gqa-small", "float32", False, "triton"),
         dc.DocCase("random", "mixed", "gqa", "float32", True, "reference"),
         dc.DocCase("balanced", "tiny", "mha", "float32", False, "reference")],
-    3: [dc.DocCase("contiguous", "edge", "gqa-small", "float32", True, "triton"),
+    3: [dc.DocCase("whole", "mixed", "gqa-small", "float32", True, "triton"),
+        dc.DocCase("contiguous", "edge", "gqa-small", "float32", True, "triton"),
         dc.DocCase("balanced", "whole", "gqa-small", "bfloat16", False, "triton"),
         dc.DocCase("striped", "mixed", "gqa", "float32", True, "reference")],
 }
@@ -61,6 +63,8 @@ SKIP_CASES = [
         ("contiguous", "long-tail", "gqa", True, "auto"),
         ("zigzag", "long-tail", "gqa", False, "auto"),
         ("balanced", "long-tail", "mha", True, "auto"),
+        ("whole", "long-tail", "gqa", True, "auto"),
+        ("whole", "short", "mha", False, "auto"),
         ("striped", "long-tail", "gqa", True, "auto"),
     )
 ]
@@ -83,8 +87,9 @@ def skip_results(world: int) -> list[dict]:
 def test_skipped_transfers_keep_the_ring_exact(world, case):
     """Mixes where most K/V blocks are read by nobody (many short documents; a long tail
     of a few documents longer than a rank's share) on rings of 4 and 8: every rank's output,
-    LSE and dq/dk/dv match float64 (fp32, 1e-5), and each rank's stats count the messages
-    the transfer plan skips, against the plain ring's 3 (N - 1) per rank and call."""
+    LSE and dq/dk/dv match float64 (fp32, 1e-5), each rank's stats count the messages the
+    transfer plan skips, against the plain ring's 3 (N - 1) per rank and call, and the bytes
+    it sent are the plan's: only the rows each reader reads."""
     from ringray.attention.documents import check_documents
     from ringray.attention.transfers import plan_transfers
 
@@ -95,11 +100,15 @@ def test_skipped_transfers_keep_the_ring_exact(world, case):
     documents = dc.documents_named(case.documents)
     layout = dc.layout_for(case.layout, world, documents)
     plan = plan_transfers(layout, case.causal, check_documents(documents, sum(documents)))
+    _, kv_heads, head_dim = dc.HEADS[case.heads]
+    row = dc.BATCH * 2 * kv_heads * head_dim * 4  # K and V (or dK and dV) of a row, float32
     for rank, outcome in enumerate(results):
         counts = plan.counts(rank)
         got = outcome[case.id]
         assert got["skipped"] == counts.forward_skipped + counts.backward_skipped
         assert got["transfers"] + got["skipped"] == 3 * (world - 1)
+        assert got["bytes_sent"] == counts.bytes_sent(row, row), (rank, got)
+        assert got["bytes_sent"] + got["bytes_skipped"] == counts.ring_bytes(row, row)
     sent = sum(r[case.id]["bytes_sent"] for r in results)
     skipped = sum(r[case.id]["bytes_skipped"] for r in results)
     if case.documents == "short" and case.layout != "striped":
@@ -109,7 +118,7 @@ def test_skipped_transfers_keep_the_ring_exact(world, case):
 
 
 @pytest.mark.parametrize(("world", "layout", "backend", "heads"), [
-    (3, "balanced", "auto", "gqa"), (3, "striped", "auto", "gqa"),
+    (3, "balanced", "auto", "gqa"), (3, "whole", "auto", "gqa"), (3, "striped", "auto", "gqa"),
     (3, "random", "auto", "gqa"), (2, "zigzag", "triton", "gqa-small"),
 ])
 def test_changing_one_document_leaves_the_others_bit_identical(world, layout, backend, heads):

@@ -46,10 +46,14 @@ def record_steps(rank: int, world: int) -> dict:
 
 
 def test_stats_record_every_step_with_the_bytes_sent():
-    """Zigzag without documents: every rank reads every block. Forward: the own block, sent
-    to the two other ranks; backward: the block received last is kept from the forward, so
-    one K/V block goes out, then the two dK/dV sums go back to their owners. Against the
-    plain ring's four backward messages, one (the K/V block) is skipped."""
+    """Zigzag without documents over 3 ranks: rank 0 holds chunks 0 and 5 of 6, and every
+    rank reads some rows of every block. Forward: rank 0's own block goes to ranks 1 and 2,
+    who see only its chunk 0 (chunk 5 comes after all their queries): half the block each.
+    Backward: the block received last is kept from the forward, so one K/V message goes out
+    (half a block again), then the two dK/dV sums go back to their owners whole (rank 0's
+    chunk-5 queries see all of ranks 1 and 2's keys). Against the plain ring's four backward
+    messages, one (a K/V block) is skipped; the bytes skipped are the plain ring's less
+    what was sent."""
     world = 3
     result = run_gloo_ranks(world, record_steps, timeout_seconds=90)[0]
     assert result["phases"] == [("forward", s) for s in range(3)] + [
@@ -57,13 +61,15 @@ def test_stats_record_every_step_with_the_bytes_sent():
     ]
     kv_bytes = 2 * 1 * (48 // world) * 4 * 16 * 4  # K and V, float32
     dkv_bytes = kv_bytes  # float32 gradient partial sums
-    assert result["bytes"] == [kv_bytes, kv_bytes, 0, kv_bytes, dkv_bytes, dkv_bytes]
+    half = kv_bytes // 2
+    assert result["bytes"] == [half, half, 0, half, dkv_bytes, dkv_bytes]
     assert result["finite"] and result["forward"] == 3 and result["plain_ok"]
     assert result["calls"] == [
         {"phase": "forward", "transfers": 2, "transfers_skipped": 0,
-         "bytes_sent": 2 * kv_bytes, "bytes_skipped": 0},
+         "bytes_sent": 2 * half, "bytes_skipped": 2 * kv_bytes - 2 * half},
         {"phase": "backward", "transfers": 3, "transfers_skipped": 1,
-         "bytes_sent": kv_bytes + 2 * dkv_bytes, "bytes_skipped": kv_bytes},
+         "bytes_sent": half + 2 * dkv_bytes,
+         "bytes_skipped": 2 * kv_bytes + 2 * dkv_bytes - half - 2 * dkv_bytes},
     ]
     assert result["skipped"] == 1
 

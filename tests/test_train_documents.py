@@ -215,7 +215,8 @@ def test_document_positions_false_is_exact_over_a_ring(tmp_path_factory, corpus:
 
 # ------------------------------------------------------------------ rings and replicas
 def _world4(tmp_path_factory, corpus: str) -> list[list[dict]]:
-    """One launch of 4 ranks: cp 4 (auto = balanced, zigzag), dp 2 × cp 2 (replicated, FSDP)."""
+    """One launch of 4 ranks: cp 4 (auto = balanced, zigzag), dp 2 × cp 2 (replicated, FSDP),
+    cp 4 with the whole layout."""
     if "world4" not in _cache:
         run_dir = str(tmp_path_factory.mktemp("world4"))
         runs = [
@@ -224,6 +225,7 @@ def _world4(tmp_path_factory, corpus: str) -> list[list[dict]]:
             _options(run_dir, corpus, parallel={"dp": 2, "cp": 2}, train={"global_batch": 4}),
             _options(run_dir, corpus, parallel={"dp": 2, "cp": 2, "fsdp": True},
                      train={"global_batch": 4}),
+            _options(run_dir, corpus, parallel={"cp": 4, "layout": "whole"}),
         ]
         assert runs[0].layout_kind == "balanced"
         _cache["world4"] = run_gloo_ranks(4, rank_record_steps_counting_reduce_scatters, runs,
@@ -231,13 +233,13 @@ def _world4(tmp_path_factory, corpus: str) -> list[list[dict]]:
     return _cache["world4"]
 
 
-@pytest.mark.parametrize("layout", ["auto", "zigzag"])
+@pytest.mark.parametrize("layout", ["auto", "zigzag", "whole"])
 def test_cp4_equals_cp1(tmp_path_factory, corpus: str, layout: str) -> None:
     """Every rank of a 4-rank ring ends each step with the one-device gradients."""
     _assert_hard_documents(_options("unused", corpus), cp=4)
     want = _single(tmp_path_factory, corpus)
     for rank_runs in _world4(tmp_path_factory, corpus):
-        _assert_same_training(rank_runs[["auto", "zigzag"].index(layout)], want)
+        _assert_same_training(rank_runs[{"auto": 0, "zigzag": 1, "whole": 4}[layout]], want)
 
 
 @pytest.mark.parametrize("fsdp", [False, True])
@@ -255,7 +257,7 @@ def test_fsdp_reduces_once_per_step_not_per_row(tmp_path_factory, corpus: str) -
     per row; the replicated runs issue none."""
     units = TINY_MODEL.n_layers + 1
     for rank_runs in _world4(tmp_path_factory, corpus):
-        assert [run["reduce_scatters"] for run in rank_runs] == [0, 0, 0, STEPS * units]
+        assert [run["reduce_scatters"] for run in rank_runs] == [0, 0, 0, STEPS * units, 0]
 
 
 def test_documents_train(tmp_path_factory, corpus: str) -> None:
@@ -291,6 +293,9 @@ def _spec(corpus: str, **sections: dict) -> dict:
     [
         ({"parallel": {"layout": "balanced"}},
          "parallel.layout: 'balanced' lays each sequence out by its documents and needs "
+         "data.documents: true; use 'auto' (zigzag without documents) or another layout"),
+        ({"parallel": {"layout": "whole"}},
+         "parallel.layout: 'whole' lays each sequence out by its documents and needs "
          "data.documents: true; use 'auto' (zigzag without documents) or another layout"),
         ({"data": {"document_positions": False}},
          "data.document_positions: false only applies with documents: true"),

@@ -208,7 +208,7 @@ def test_any_read_pattern_runs_without_deadlock_and_returns_every_sum(world, dat
     assert result["messages"] == sent + (sent - resent) + sent
 
 
-@pytest.mark.parametrize("kind", ["contiguous", "zigzag", "striped", "balanced"])
+@pytest.mark.parametrize("kind", ["contiguous", "zigzag", "striped", "balanced", "whole"])
 @pytest.mark.parametrize("world", [4, 8])
 def test_reads_are_the_block_pairs_with_a_visible_pair(kind, world):
     documents = [1, 2, 3, 50, 4, 1, 1, 30, 7, 5, 2, 22, 3, 5, 6, 14, 4, 32]
@@ -218,3 +218,88 @@ def test_reads_are_the_block_pairs_with_a_visible_pair(kind, world):
     work = block_work(layout, documents)
     assert plan.reads == tuple(tuple(w > 0 for w in row) for row in work)
     check_plan(plan)
+
+
+# ------------------------------------------------------------------ rows read, not blocks
+
+def visible_rows(layout, documents, causal, window, source, reader) -> list[int]:
+    """The local rows of ``source``'s block that some query of ``reader`` sees, from the
+    mask's definition, pair by pair (no searching, no ranges)."""
+    seq = layout.seq_len
+    doc_of = [d for d, length in enumerate(documents or [seq]) for _ in range(length)]
+    queries = layout.positions(reader).tolist()
+    rows = []
+    for row, key in enumerate(layout.positions(source).tolist()):
+        for query in queries:
+            if doc_of[query] != doc_of[key]:
+                continue
+            if causal and query < key:
+                continue
+            if window is not None and query - key > window - 1:
+                continue
+            rows.append(row)
+            break
+    return rows
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(2, 5), st.integers(1, 12), st.data())
+def test_rows_read_are_exactly_the_keys_some_query_sees(world, per_rank, data):
+    """For any layout (a random permutation or a named one), documents (lengths 1 included),
+    causal or not, with or without a window: the rows the plan sends from each block to each
+    reader are exactly the keys one of the reader's queries sees, and a block is sent at all
+    exactly when one of its rows is read. The per-rank row counts add up to what is sent."""
+    seq = world * per_rank
+    kind = data.draw(st.sampled_from(["contiguous", "zigzag", "striped", "balanced", "whole",
+                                      "random"]))
+    if kind == "zigzag" and seq % (2 * world):
+        kind = "striped"
+    documents = None
+    if data.draw(st.booleans()):
+        documents, left = [], seq
+        while left:
+            documents.append(data.draw(st.integers(1, left)))
+            left -= documents[-1]
+    causal = data.draw(st.booleans())
+    window = data.draw(st.one_of(st.none(), st.integers(1, seq))) if causal else None
+    if kind == "random":
+        order = data.draw(st.permutations(range(seq)))
+        layout = make_layout([list(order[r::world]) for r in range(world)], world, seq)
+    else:
+        layout = make_layout(kind, world, seq, documents=documents)
+    docs = check(documents, seq) if documents else None
+    plan = plan_transfers(layout, causal=causal, documents=docs, window=window)
+    for source in range(world):
+        for reader in range(world):
+            if source == reader:
+                continue
+            want = visible_rows(layout, documents, causal, window, source, reader)
+            if not plan.reads[reader][source]:
+                assert want == []
+                continue
+            got = [row for start, end in plan.rows_read(source, reader)
+                   for row in range(start, end)]
+            assert got == want, (source, reader)
+            assert plan.is_partial(source, reader) == (len(want) < layout.local_len)
+    for rank in range(world):
+        counts = plan.counts(rank)
+        forward = [s.exchange.kv_to for s in plan.forward_steps(rank)
+                   if s.exchange and s.exchange.kv_to is not None]
+        assert counts.forward_kv_rows == sum(plan.row_count(rank, r) for r in forward)
+        assert counts.bytes_sent(2, 4) <= counts.block_rows * (
+            (counts.forward_kv + counts.backward_kv) * 2 + counts.backward_dkv * 4)
+
+
+def test_zigzag_sends_a_later_rank_only_the_early_chunk():
+    """One causal document on zigzag over 4 ranks (chunks of 4 tokens; rank r holds chunks
+    r and 7 - r): rank 0's late chunk (7) comes after every other rank's queries, so they
+    get only its early chunk, half the block; rank 3 (chunks 3 and 4) is read whole by
+    ranks 0 (chunk 7), 1 (chunk 6) and 2 (chunk 5), which all hold later queries."""
+    plan = plan_transfers(make_layout("zigzag", 4, 32), causal=True)
+    for reader in (1, 2, 3):
+        assert plan.rows_read(0, reader) == ((0, 4),)
+    for reader in (0, 1, 2):
+        assert plan.rows_read(3, reader) == ((0, 8),) and not plan.is_partial(3, reader)
+    counts = plan.counts(0)
+    assert (counts.forward_kv_rows, counts.block_rows) == (12, 8)
+    assert not plan_transfers(make_layout("zigzag", 4, 32), causal=False).partial_rows

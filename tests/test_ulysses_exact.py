@@ -57,13 +57,16 @@ def test_stats_record_the_all_to_alls_beside_the_ring():
     output and LSE back; dout in, dq/dk/dv back) with the bytes that left the rank and the
     seconds each took."""
     per_rank = run_gloo_ranks(4, uc.record_stats, 2, timeout_seconds=300)
-    for result in per_rank:
+    for rank, result in enumerate(per_rank):
         # After the all-to-all a rank holds 24 positions and one of the 2 kv heads (float32).
         kv_block = 2 * 1 * 1 * 24 * 16 * 4
-        # Backward: the other member's block is kept from the forward, so the ring sends
-        # only its float32 dK/dV sum back (the size of a float32 K/V block).
-        assert result["ring"] == [("forward", 0, kv_block), ("forward", 1, 0),
-                                  ("backward", 0, 0), ("backward", 1, kv_block)]
+        # A zigzag ring of 2: member 0 holds chunks 0 and 3, member 1 chunks 1 and 2, so
+        # member 1 reads only chunk 0 of member 0's block (half of it), member 0 all of
+        # member 1's. Backward: the other member's block is kept from the forward, so the
+        # ring sends only the float32 dK/dV rows of it that the rank read.
+        sent, returned = (kv_block // 2, kv_block) if rank < 2 else (kv_block, kv_block // 2)
+        assert result["ring"] == [("forward", 0, sent), ("forward", 1, 0),
+                                  ("backward", 0, 0), ("backward", 1, returned)]
         # Half of each packed buffer leaves the rank: q/k/v (4 + 2 + 2 heads) and the output
         # (4 heads) for 12 positions; the LSE (4 heads) likewise.
         qkv, out, lse = 12 * 8 * 16 * 4 // 2, 12 * 4 * 16 * 4 // 2, 12 * 4 * 4 // 2
@@ -77,4 +80,4 @@ def test_stats_record_the_all_to_alls_beside_the_ring():
         totals = result["totals"]
         assert totals["a2a_calls"] == 5 and totals["a2a_bytes_sent"] == 2 * qkv + 2 * out + lse
         assert totals["a2a_seconds"] == pytest.approx(sum(result["a2a_seconds"]))
-        assert totals["bytes_sent"] == 2 * kv_block and result["forward_a2a_calls"] == 3
+        assert totals["bytes_sent"] == sent + returned and result["forward_a2a_calls"] == 3

@@ -21,6 +21,13 @@ document sees ``i + 1`` keys. Three facts make the assignment simple:
   rank but the last lands within about one token's work of its target and the last takes the
   remainder. At most two light documents are cut per rank.
 
+The ``whole`` layout (``spread=False``) skips the spreading: heavy documents go through the
+two pointers like the others. A document then lives on one rank unless a rank's share runs
+out inside it, and the few it is cut over (nested head/tail pieces, so work still follows
+tokens) are the only ranks that read one another's keys of it. Its work is as equal in total;
+it is not equal at every ring step, which matters less once each block goes only to its
+readers (:mod:`.transfers`).
+
 Short documents next to each other are first grouped into clusters (taken front to back), so
 that many tiny documents do not scatter every rank over hundreds of position runs.
 
@@ -165,15 +172,21 @@ class _Remaining:
 
 
 def balanced_ranges(
-    world_size: int, seq_len: int, documents: Documents
+    world_size: int, seq_len: int, documents: Documents, *, spread: bool = True
 ) -> list[list[tuple[int, int]]]:
     """Per rank, sorted disjoint global ``[start, end)`` ranges: ``seq_len / world_size``
     tokens each, with near-equal causal work under the document mask (see the module
-    docstring). ``seq_len`` must be a multiple of ``world_size`` (checked by the caller)."""
+    docstring). ``seq_len`` must be a multiple of ``world_size`` (checked by the caller).
+
+    ``spread=False`` (the ``whole`` layout): no document is spread over every rank; every
+    document goes through the two pointers, so it stays on one rank unless a rank's share
+    runs out inside it, and a long one is cut into as few nested head/tail pieces as the
+    shares need. Work stays as equal; fewer ranks share each document, so a rank reads keys
+    from fewer others (and only their rows of the documents it holds)."""
     per_rank = seq_len // world_size
     prefix = [0, *torch.cumsum(documents.token_work(causal=True), 0).tolist()]
-    heavy, light = _items(documents, per_rank, prefix,
-                          prefix[-1] / (world_size * SPREAD_SHARE))
+    heavy_work = prefix[-1] / (world_size * SPREAD_SHARE) if spread else float("inf")
+    heavy, light = _items(documents, per_rank, prefix, heavy_work)
     ranges: list[list[tuple[int, int]]] = [[] for _ in range(world_size)]
     tokens, work = [0] * world_size, [0] * world_size
     for doc in heavy:  # zigzag over all ranks: rank r takes the r-th nested head/tail pair

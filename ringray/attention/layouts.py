@@ -15,8 +15,10 @@ Built in: ``contiguous`` (rank r holds one slice), ``zigzag`` (2N chunks, rank r
 chunks r and 2N-1-r, as in ring-flash-attn, Megatron and TransformerEngine), ``striped``
 (token t on rank t mod N, as in the Striped Attention paper), ``balanced`` (for packed
 documents: equal tokens and near-equal work under the document mask for any document
-lengths, see :mod:`.balance`), and any explicit permutation given as one position list per
-rank. Every layout is exact with documents; ``balanced`` is the one that also balances them:
+lengths, see :mod:`.balance`), ``whole`` (the same work equality, keeping each document on
+as few ranks as the shares allow, so that fewer keys travel: :mod:`.balance`), and any
+explicit permutation given as one position list per rank. Every layout is exact with
+documents; ``balanced`` and ``whole`` are the ones that also balance them:
 
     >>> lay = make_layout("balanced", 4, 16384, documents=[5218, 227, 97, ...])
     >>> document_work(lay, [5218, 227, 97, ...])   # visible query-key pairs per rank
@@ -49,9 +51,12 @@ from ringray.attention.documents import Documents, check_documents
 
 # The layouts a job spec may name (each works for any document lengths).
 BUILTIN_LAYOUTS = ("contiguous", "zigzag", "striped")
-# Every named layout: the built-in ones and ``balanced``, which is built for the documents of
-# one sequence (it needs their lengths; without them it balances one causal span).
-LAYOUT_KINDS = (*BUILTIN_LAYOUTS, "balanced")
+# Layouts built for the documents of one sequence (they need their lengths; without them
+# they balance one causal span): ``balanced`` spreads heavy documents over every rank,
+# ``whole`` keeps every document on as few ranks as it can.
+DOCUMENT_LAYOUTS = ("balanced", "whole")
+# Every named layout.
+LAYOUT_KINDS = (*BUILTIN_LAYOUTS, *DOCUMENT_LAYOUTS)
 
 
 @dataclass(frozen=True)
@@ -190,7 +195,7 @@ def seq_len_divisor(kind: str, world_size: int, ulysses: int = 1) -> int:
     ring_size = _ring_size(world_size, ulysses)
     if kind == "zigzag":
         ring_divisor = 2 * ring_size
-    elif kind in ("contiguous", "striped", "balanced"):
+    elif kind in ("contiguous", "striped", *DOCUMENT_LAYOUTS):
         ring_divisor = ring_size
     else:
         raise ValueError(f"layout: unknown kind {kind!r}; valid: {', '.join(LAYOUT_KINDS)}")
@@ -222,7 +227,7 @@ def make_layout(
     together be a permutation of ``range(seq_len)`` with equal lengths.
 
     ``documents`` (the global sequence's document lengths, summing to ``seq_len``) shapes the
-    ``balanced`` layout only; every other layout is the same with or without them.
+    ``balanced`` and ``whole`` layouts only; every other layout is the same with or without them.
 
     ``ulysses=U > 1``: a two-dimensional layout over ``world_size = R * U`` ranks (see the
     module docstring). ``kind_or_positions`` then describes the ring over R: a name, an
@@ -248,10 +253,10 @@ def make_layout(
     if isinstance(kind_or_positions, Layout):
         return _checked(kind_or_positions, world_size, seq_len, ulysses)
     if isinstance(kind_or_positions, str):
-        if kind_or_positions == "balanced":
-            _check_divisible("balanced", world_size, seq_len)
+        if kind_or_positions in DOCUMENT_LAYOUTS:
+            _check_divisible(kind_or_positions, world_size, seq_len)
             docs = check_documents(documents, seq_len) or Documents((seq_len,))
-            return _balanced(world_size, seq_len, docs)
+            return _balanced(world_size, seq_len, docs, kind_or_positions)
         return _builtin(kind_or_positions, world_size, seq_len)
     return _custom(kind_or_positions, world_size, seq_len)
 
@@ -293,8 +298,8 @@ def _check_divisible(kind: str, world_size: int, seq_len: int) -> None:
 
 
 @lru_cache(maxsize=16)  # documents change every batch; the last few are reused by the ring
-def _balanced(world_size: int, seq_len: int, documents: Documents) -> Layout:
-    ranges = balanced_ranges(world_size, seq_len, documents)
+def _balanced(world_size: int, seq_len: int, documents: Documents, kind: str) -> Layout:
+    ranges = balanced_ranges(world_size, seq_len, documents, spread=kind == "balanced")
     pos = torch.tensor([[p for start, end in rank for p in range(start, end)]
                         for rank in ranges], dtype=torch.int64)
     runs = []
@@ -304,7 +309,7 @@ def _balanced(world_size: int, seq_len: int, documents: Documents) -> Layout:
             rank_runs.append(Run(local, start, 1, end - start))
             local += end - start
         runs.append(tuple(rank_runs))
-    return Layout("balanced", world_size, seq_len, pos, tuple(runs))
+    return Layout(kind, world_size, seq_len, pos, tuple(runs))
 
 
 # Memoised so that repeated calls with a layout name share one Layout, and with it the

@@ -47,6 +47,7 @@ step and, per call, the messages sent and skipped against the plain ring.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -100,8 +101,9 @@ def ring_attention(
             around the ring; global rank = ring_index * U + ulysses_index. ``q_heads`` must
             split over U, and kv_heads split over U or divide it (K/V are then repeated).
             ``None`` (or one rank): no Ulysses.
-        layout: ``"zigzag"``, ``"striped"``, ``"contiguous"``, ``"balanced"`` (built for
-            ``documents``), a :class:`Layout`, or one list of global positions per rank.
+        layout: ``"zigzag"``, ``"striped"``, ``"contiguous"``, ``"balanced"`` or
+            ``"whole"`` (both built for ``documents``), a :class:`Layout`, or one list of
+            global positions per rank.
             With Ulysses: a name, a grid layout (``make_layout(..., ulysses=U)``), or the
             ring's R-rank layout or position lists.
         causal: apply ``q_pos >= k_pos`` on global positions.
@@ -196,6 +198,57 @@ def _device_tokens(
     return positions, doc_ids
 
 
+@lru_cache(maxsize=256)
+def _row_index(layout: Layout, causal: bool, documents: Documents | None,
+               window: int | None, source: int, reader: int,
+               device: torch.device) -> torch.Tensor:
+    """The local rows of ``source``'s block that ``reader`` reads, as an int64 index on
+    ``device`` (cached like the plans: a step's layers share one copy)."""
+    rows = _transfers(layout, causal, documents, window).rows_read(source, reader)
+    index = torch.cat([torch.arange(start, end) for start, end in rows])
+    return upload(index, device)
+
+
+def _index(call: RingCall, source: int, reader: int, device: torch.device) -> torch.Tensor:
+    return _row_index(call.layout, call.causal, call.documents, call.window, source, reader,
+                      device)
+
+
+def _rows_out(call: RingCall, block: torch.Tensor, source: int, reader: int) -> torch.Tensor:
+    """What travels between ``source`` and ``reader`` for ``block`` (``source``'s K/V block
+    or the reader's dK/dV sum of it, rows on dim 3): the rows the reader reads, gathered
+    into one contiguous tensor, or the whole block when it reads every row."""
+    if not call.transfers.is_partial(source, reader):
+        return block
+    return block.index_select(3, _index(call, source, reader, block.device))
+
+
+def _rows_in_buffer(call: RingCall, buffers: _Buffers, source: int,
+                    reader: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tensor, buffer)``: a tensor to receive what :func:`_rows_out` sends, and the pool
+    buffer it lives in (to give back once used): the buffer itself when the whole block
+    travels, else a contiguous view of its first elements shaped for the rows read."""
+    buffer = buffers.take()
+    if not call.transfers.is_partial(source, reader):
+        return buffer, buffer
+    shape = (*buffer.shape[:3], call.transfers.row_count(source, reader), *buffer.shape[4:])
+    return buffer.view(-1)[:math.prod(shape)].view(shape), buffer
+
+
+def _kv_received(call: RingCall, received: torch.Tensor, buffer: torch.Tensor,
+                 buffers: _Buffers, source: int) -> torch.Tensor:
+    """The K/V block of ``source`` from what arrived in ``buffer``: as is when whole, else
+    its rows placed into another pool buffer, and ``buffer`` given back. The rows nobody
+    here reads keep whatever finite values that buffer held (pool buffers are made zeroed
+    and only ever hold K/V values); every mask multiplies them by zero."""
+    if not call.transfers.is_partial(source, call.comm.rank):
+        return received
+    block = buffers.take()
+    block.index_copy_(3, _index(call, source, call.comm.rank, block.device), received)
+    buffers.give(buffer)
+    return block
+
+
 def _timer(stats: RingStats | None, device: torch.device) -> StepTimer:
     return stats.timer(device) if stats is not None else NULL_TIMER
 
@@ -249,9 +302,21 @@ class _Buffers:
         self._template, self._dtype = template, dtype
         self._free: list[torch.Tensor] = []
 
+    @property
+    def template(self) -> torch.Tensor:
+        return self._template
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
     def take(self) -> torch.Tensor:
-        return self._free.pop() if self._free else torch.empty(
-            self._template.shape, dtype=self._dtype, device=self._template.device)
+        """A free tensor, or a new one (zeros: a K/V block that gets only some rows keeps
+        the others' values, which must be finite; a reused one holds earlier values)."""
+        if self._free:
+            return self._free.pop()
+        return torch.zeros(self._template.shape, dtype=self._dtype,
+                           device=self._template.device)
 
     def give(self, tensor: torch.Tensor) -> None:
         self._free.append(tensor)
@@ -307,9 +372,11 @@ class _RingAttention(torch.autograd.Function):
             pending, incoming = None, None
             if step.exchange is not None:
                 exchange = step.exchange
-                send = [(kv_own, exchange.kv_to, _KV_TAG)] if exchange.kv_to is not None else []
+                send = ([(_rows_out(call, kv_own, rank, exchange.kv_to), exchange.kv_to,
+                          _KV_TAG)] if exchange.kv_to is not None else [])
                 if exchange.kv_from is not None:
-                    incoming = kv_buffers.take()
+                    incoming, incoming_buffer = _rows_in_buffer(call, kv_buffers,
+                                                                exchange.kv_from, rank)
                 recv = [(incoming, exchange.kv_from, _KV_TAG)] if incoming is not None else []
                 pending = comm.post(send, recv)
             timer.start_compute()
@@ -323,7 +390,9 @@ class _RingAttention(torch.autograd.Function):
             if pending is not None:
                 sent_bytes += pending.bytes_sent
             if incoming is not None:
-                held[step.exchange.kv_from] = incoming
+                source = step.exchange.kv_from
+                held[source] = _kv_received(call, incoming, incoming_buffer, kv_buffers,
+                                            source)
 
         result = out.to(q.dtype).transpose(1, 2).contiguous()
         last_source, kv_last = last if last is not None else (None, None)
@@ -344,7 +413,6 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros(q_t.shape, dtype=acc, device=q.device)
         # The own block's dK/dV: its own step adds into it, and every reader's sum comes back.
         dkv_own = torch.zeros(kv_own.shape, dtype=acc, device=q.device)
-        dkv_incoming = None
         kv_buffers, dkv_buffers = _Buffers(kv_own, kv_own.dtype), _Buffers(kv_own, acc)
         held = {ctx.last_source: kv_last} if ctx.last_source is not None else {}
         done: dict[int, torch.Tensor] = {}  # dK/dV sums computed, not yet sent back
@@ -353,21 +421,27 @@ class _RingAttention(torch.autograd.Function):
 
         for index, step in enumerate(call.transfers.backward_steps(rank)):
             timer = _timer(stats, q.device)
-            pending, incoming, returning = None, None, None
+            pending, incoming, returning, dkv_incoming = None, None, None, None
             if step.exchange is not None:
                 exchange = step.exchange
                 send, recv = [], []
                 if exchange.kv_to is not None:
-                    send.append((kv_own, exchange.kv_to, _KV_TAG))
+                    send.append((_rows_out(call, kv_own, rank, exchange.kv_to),
+                                 exchange.kv_to, _KV_TAG))
                 if exchange.dkv_to is not None:
                     returning = done.pop(exchange.dkv_to)
-                    send.append((returning, exchange.dkv_to, _DKV_TAG))
+                    rows = _rows_out(call, returning, exchange.dkv_to, rank)
+                    if rows is not returning:  # a copy of its rows: the sum is free again
+                        dkv_buffers.give(returning)
+                        returning = None
+                    send.append((rows, exchange.dkv_to, _DKV_TAG))
                 if exchange.kv_from is not None:
-                    incoming = kv_buffers.take()
+                    incoming, incoming_buffer = _rows_in_buffer(call, kv_buffers,
+                                                                exchange.kv_from, rank)
                     recv.append((incoming, exchange.kv_from, _KV_TAG))
                 if exchange.dkv_from is not None:
-                    if dkv_incoming is None:
-                        dkv_incoming = dkv_buffers.take()
+                    dkv_incoming, dkv_buffer = _rows_in_buffer(call, dkv_buffers, rank,
+                                                               exchange.dkv_from)
                     recv.append((dkv_incoming, exchange.dkv_from, _DKV_TAG))
                 pending = comm.post(send, recv)
             timer.start_compute()
@@ -386,11 +460,18 @@ class _RingAttention(torch.autograd.Function):
             if pending is not None:
                 sent_bytes += pending.bytes_sent
             if incoming is not None:
-                held[step.exchange.kv_from] = incoming
+                source = step.exchange.kv_from
+                held[source] = _kv_received(call, incoming, incoming_buffer, kv_buffers,
+                                            source)
             if returning is not None:
                 dkv_buffers.give(returning)
-            if step.exchange is not None and step.exchange.dkv_from is not None:
-                dkv_own += dkv_incoming
+            if dkv_incoming is not None:
+                reader = step.exchange.dkv_from
+                if call.transfers.is_partial(rank, reader):  # only the rows it read
+                    dkv_own.index_add_(3, _index(call, rank, reader, q.device), dkv_incoming)
+                else:
+                    dkv_own += dkv_incoming
+                dkv_buffers.give(dkv_buffer)
 
         dk = dkv_own[0].transpose(1, 2).to(call.kv_dtype)
         dv = dkv_own[1].transpose(1, 2).to(call.kv_dtype)

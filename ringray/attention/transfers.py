@@ -2,6 +2,7 @@
 
     plan = plan_transfers(layout, causal=True, documents=docs)
     plan.reads[r][s]         # rank r's queries see some key of rank s's block
+    plan.rows_read(s, r)     # which rows of rank s's block: local [start, end) ranges
     plan.rounds              # per round, (source, reader) pairs: the block source -> reader
     plan.forward_steps(r)    # what rank r posts, computes and waits for, step by step
     plan.backward_steps(r)
@@ -10,10 +11,14 @@ The rule. From the layout and the mask (causal, packed documents, a sliding wind
 rank knows, before anything moves, which (query block, key block) pairs hold a visible pair
 (:func:`~.layouts.block_work` > 0). A block is sent to exactly the ranks whose queries see
 one of its keys, *directly* from its owner (point to point, not relayed round a ring), and
-the dK/dV partial sum a reader computes for it goes straight back to the owner. Nothing is
-sent that nobody reads; with one document over the whole sequence and causal zigzag every
-rank reads every block, and the plan is the plain ring's N - 1 blocks per rank, each sent
-from its owner at ring distance 1, 2, ... (round t: rank r receives rank r - t's block).
+the dK/dV partial sum a reader computes for it goes straight back to the owner. Only the
+*rows* of the block that the reader reads travel (:func:`read_rows`: the keys some query of
+the reader sees), and only those rows of the dK/dV sum come back: a key no query of the
+reader sees has a zero gradient there. Nothing is sent that nobody reads. With one document
+over the whole sequence and causal zigzag every rank reads every block, and the plan is the
+plain ring's N - 1 messages per rank, each sent from its owner at ring distance 1, 2, ...
+(round t: rank r receives rank r - t's block); a rank later in the ring than the block's
+owner reads only the owner's early chunk, so those messages carry half a block.
 
 Rounds. The (source, reader) pairs are grouped into rounds in which every rank sends at most
 one block and receives at most one (a matching: :func:`transfer_rounds`), so a rank needs
@@ -48,10 +53,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
+import torch
+
 from ringray.attention.documents import Documents
 from ringray.attention.layouts import Layout, block_work
 
 Pair = tuple[int, int]  # (source, reader): the source's K/V block goes to the reader
+Rows = tuple[tuple[int, int], ...]  # local [start, end) row ranges of a source's block
 
 
 @dataclass(frozen=True)
@@ -86,6 +94,22 @@ class TransferCounts:
     backward_dkv: int
     ring_forward: int  # the plain ring's: N - 1 K/V blocks
     ring_backward: int  # the plain ring's: N - 1 K/V blocks and N - 1 dK/dV sums
+    # Rows (keys) of those messages: a block has ``block_rows``; a reader gets only the
+    # rows it reads, and sends back only those rows of the dK/dV sum.
+    forward_kv_rows: int = 0
+    backward_kv_rows: int = 0
+    backward_dkv_rows: int = 0
+    block_rows: int = 0
+
+    def bytes_sent(self, kv_row_bytes: int, dkv_row_bytes: int) -> int:
+        """Bytes this rank sends in one call (forward and backward), for a K/V row
+        (K and V, all heads) of ``kv_row_bytes`` and a dK/dV row of ``dkv_row_bytes``."""
+        return ((self.forward_kv_rows + self.backward_kv_rows) * kv_row_bytes
+                + self.backward_dkv_rows * dkv_row_bytes)
+
+    def ring_bytes(self, kv_row_bytes: int, dkv_row_bytes: int) -> int:
+        """What the plain ring sends per rank and call: whole blocks, N - 1 of each."""
+        return self.block_rows * self.ring_forward * (2 * kv_row_bytes + dkv_row_bytes)
 
     @property
     def forward_skipped(self) -> int:
@@ -103,6 +127,26 @@ class TransferPlan:
     world_size: int
     reads: tuple[tuple[bool, ...], ...]  # [reader][source]
     rounds: tuple[tuple[Pair, ...], ...]  # forward rounds 1, 2, ...: (source, reader) pairs
+    # ((source, reader), rows) for every pair that reads less than the whole block;
+    # a pair not listed reads all ``block_rows`` rows.
+    partial_rows: tuple[tuple[Pair, Rows], ...] = ()
+    block_rows: int = 0
+
+    @cached_property
+    def _rows(self) -> dict[Pair, Rows]:
+        return dict(self.partial_rows)
+
+    def rows_read(self, source: int, reader: int) -> Rows:
+        """The local row ranges of ``source``'s block that ``reader`` reads (the whole
+        block, ``((0, block_rows),)``, unless the mask leaves some rows unread)."""
+        return self._rows.get((source, reader), ((0, self.block_rows),))
+
+    def is_partial(self, source: int, reader: int) -> bool:
+        """Whether ``reader`` reads only some rows of ``source``'s block."""
+        return (source, reader) in self._rows
+
+    def row_count(self, source: int, reader: int) -> int:
+        return sum(end - start for start, end in self.rows_read(source, reader))
 
     @cached_property
     def _received_in(self) -> tuple[dict[int, int], ...]:
@@ -174,14 +218,21 @@ class TransferPlan:
 
     def counts(self, rank: int) -> TransferCounts:
         """Messages ``rank`` sends in one call (forward and backward), beside the ring's."""
-        def sent(steps: tuple[Step, ...], field: str) -> int:
-            return sum(getattr(s.exchange, field) is not None for s in steps if s.exchange)
+        def sent(steps: tuple[Step, ...], field: str) -> list[int]:
+            return [getattr(s.exchange, field) for s in steps
+                    if s.exchange and getattr(s.exchange, field) is not None]
 
         forward, backward = self.forward_steps(rank), self.backward_steps(rank)
         ring = self.world_size - 1
+        kv_fwd, kv_bwd = sent(forward, "kv_to"), sent(backward, "kv_to")
+        dkv = sent(backward, "dkv_to")  # sums of these sources' blocks go back
         return TransferCounts(
-            forward_kv=sent(forward, "kv_to"), backward_kv=sent(backward, "kv_to"),
-            backward_dkv=sent(backward, "dkv_to"), ring_forward=ring, ring_backward=2 * ring,
+            forward_kv=len(kv_fwd), backward_kv=len(kv_bwd), backward_dkv=len(dkv),
+            ring_forward=ring, ring_backward=2 * ring,
+            forward_kv_rows=sum(self.row_count(rank, r) for r in kv_fwd),
+            backward_kv_rows=sum(self.row_count(rank, r) for r in kv_bwd),
+            backward_dkv_rows=sum(self.row_count(s, rank) for s in dkv),
+            block_rows=self.block_rows,
         )
 
 
@@ -193,8 +244,56 @@ def plan_transfers(
     rank) under the mask: causal or not, packed ``documents``, a sliding ``window``."""
     work = block_work(layout, documents, causal=causal, window=window)
     reads = tuple(tuple(pairs > 0 for pairs in row) for row in work)
+    rows = read_rows(layout, causal, documents, window)
+    partial = tuple(((source, reader), ranges) for (source, reader), ranges in rows.items()
+                    if ranges != ((0, layout.local_len),) and reads[reader][source])
     return TransferPlan(world_size=layout.world_size, reads=reads,
-                        rounds=transfer_rounds(reads))
+                        rounds=transfer_rounds(reads), partial_rows=partial,
+                        block_rows=layout.local_len)
+
+
+def read_rows(
+    layout: Layout, causal: bool, documents: Documents | None = None,
+    window: int | None = None,
+) -> dict[Pair, Rows]:
+    """For every ``(source, reader)`` pair of distinct ranks, the local rows of ``source``'s
+    block that some query of ``reader`` sees, as ``[start, end)`` ranges (empty: none).
+
+    A key at global position ``p`` is seen by ``reader`` when one of its queries is in the
+    same document and, causal, at ``p`` or later (with a window, at most ``window - 1``
+    later): the first of the reader's queries at or after ``p`` decides, as queries further
+    on are further away. Not causal: any query of the reader in ``p``'s document."""
+    docs = documents if documents is not None else Documents((layout.seq_len,))
+    ids = docs.ids
+    rows: dict[Pair, Rows] = {}
+    for reader in range(layout.world_size):
+        queries = torch.sort(layout.positions(reader)).values
+        has_doc = torch.zeros(len(docs.lengths), dtype=torch.bool)
+        has_doc[ids[queries]] = True
+        for source in range(layout.world_size):
+            if source == reader:
+                continue
+            keys = layout.positions(source)
+            if causal:
+                after = torch.searchsorted(queries, keys)
+                exists = after < len(queries)
+                first = queries[after.clamp(max=len(queries) - 1)]
+                seen = exists & (ids[first] == ids[keys])
+                if window is not None:
+                    seen &= first - keys <= window - 1
+            else:
+                seen = has_doc[ids[keys]]
+            rows[source, reader] = _ranges(seen)
+    return rows
+
+
+def _ranges(mask: torch.Tensor) -> Rows:
+    """The ``[start, end)`` runs of True in a 1-D boolean tensor."""
+    edges = torch.diff(mask.to(torch.int8), prepend=torch.zeros(1, dtype=torch.int8),
+                       append=torch.zeros(1, dtype=torch.int8))
+    starts = torch.nonzero(edges == 1).flatten().tolist()
+    ends = torch.nonzero(edges == -1).flatten().tolist()
+    return tuple(zip(starts, ends, strict=True))
 
 
 def transfer_rounds(reads: Sequence[Sequence[bool]]) -> tuple[tuple[Pair, ...], ...]:

@@ -29,7 +29,7 @@ def bench_ring(
     head_dim: int = typer.Option(64, "--head-dim", min=1, help="Head dimension."),
     layouts: str = typer.Option(None, "--layouts", show_default=False,
                                 help="Comma-separated layouts to compare (default: zigzag,"
-                                "striped,contiguous; with --documents also balanced)."),
+                                "striped,contiguous; with --documents also balanced,whole)."),
     full: bool = typer.Option(False, "--full", help="Full (non-causal) attention."),
     iters: int = typer.Option(2, "--iters", min=1, help="Measured iterations per layout."),
     documents: str = typer.Option(None, "--documents", metavar="SPEC",
@@ -45,10 +45,10 @@ def bench_ring(
     from ringray.bench.ring import RingBenchConfig, document_lengths, run_ring_bench
 
     if layouts is None:
-        layouts = "zigzag,striped,contiguous" + (",balanced" if documents else "")
+        layouts = "zigzag,striped,contiguous" + (",balanced,whole" if documents else "")
     names = tuple(n.strip() for n in layouts.split(",") if n.strip())
     if not names:
-        fail("--layouts: give at least one of zigzag, striped, contiguous, balanced")
+        fail("--layouts: give at least one of zigzag, striped, contiguous, balanced, whole")
     if heads % kv_heads:
         fail(f"--kv-heads: {kv_heads} must divide --heads {heads}")
     if world % ulysses:

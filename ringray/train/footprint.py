@@ -204,18 +204,23 @@ def ring_buffer_bytes_per_token(cfg: ModelConfig, *, cp: int, bf16: bool,
     measured (``tests/test_ring_buffers_measured.py``); a K/V block is ``2ke`` elements per
     token, and the ring has R = cp / U ranks::
 
-        forward   kv_incoming x n (a)             + out accumulator (float32, 4he)
-        backward  kv_incoming x m (a)             + dK/dV sums x s (float32)
+        forward   K/V blocks x n (a)              + out accumulator (float32, 4he)
+        backward  K/V blocks x m (a)              + dK/dV sums x s (float32)
                                                   + dq accumulator (float32, 4he)
                                                   + dq, dk, dv cast back (a, when a = 2)
 
-    with n = 0, 1, 2 at R = 1, 2, >= 3. In the backward the own block's sum accumulates
-    the others' returns (s = 1 at R = 1); at R = 2 the one other block is the one the forward
-    saved, so nothing is received, and its partial sum and the incoming return make s = 3
-    (m = 0); at R = 3 one block is received (m = 1) and a partial is computed while the last
-    one goes back (s = 4); from R = 4 two K/V blocks are in hand (m = 2, s = 4). The current
-    block is the one saved by the forward (an activation). The larger phase (the backward)
-    is the figure.
+    A reader gets only the rows of a block it reads (:mod:`~ringray.attention.transfers`):
+    they arrive in a pool buffer and are placed into a second one, and the rows a rank sends
+    are first gathered into a copy of at most a block. So with R >= 2 the forward holds
+    n = 3 blocks at most (two pool buffers and the gathered rows; 0 at R = 1). In the
+    backward the own block's sum accumulates the others' returns (s = 1 at R = 1); at R = 2
+    the one other block is the one the forward saved, so no K/V moves (m = 0), and its
+    partial sum and the incoming return make s = 3; from R = 3 a partial is computed while
+    the last one goes back (s = 4; a sum's gathered rows replace it), two K/V blocks are in
+    the pool and the own block's rows are gathered for a reader (m = 3). These are bounds:
+    the gathered rows are a whole block only for a reader that reads every row (then
+    nothing is gathered), so a rank's peak is up to one block below. The current block is
+    the one saved by the forward (an activation). The larger phase is the figure.
 
     With Ulysses (``ulysses`` U > 1, :mod:`ringray.attention.ulysses`) the ring has cp / U
     ranks and its K/V block per local token is ``2ker`` elements (``r``: :func:`kv_repeat`);
@@ -233,8 +238,8 @@ def ring_buffer_bytes_per_token(cfg: ModelConfig, *, cp: int, bf16: bool,
     repeat = kv_repeat(cfg, ulysses)
     kv_block = 2 * k * repeat * e
     ring = cp // ulysses
-    incoming = min(ring - 1, 2)
-    received, sums = {1: (0, 1), 2: (0, 3), 3: (1, 4)}.get(ring, (2, 4))
+    incoming = 0 if ring == 1 else 3
+    received, sums = {1: (0, 1), 2: (0, 3)}.get(ring, (3, 4))
     forward = incoming * kv_block * a + 4 * h * e
     backward = received * kv_block * a + sums * kv_block * 4 + 4 * h * e
     if bf16:

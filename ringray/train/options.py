@@ -27,7 +27,7 @@ import fsspec
 from annotated_types import Ge, Gt, Le, Lt, MinLen
 
 from ringray.attention.backends import BACKENDS
-from ringray.attention.layouts import BUILTIN_LAYOUTS, seq_len_divisor
+from ringray.attention.layouts import BUILTIN_LAYOUTS, DOCUMENT_LAYOUTS, seq_len_divisor
 from ringray.attention.ulysses import check_ulysses_heads
 from ringray.data import (
     PASSKEY_DIGITS,
@@ -44,7 +44,7 @@ MAX_SEQ_LEN = 1 << 24
 """16M tokens: sixteen times the longest context in jobs/ (1M). Longer is almost surely a typo
 (an extra zero), and RoPE positions in float32 lose integer precision past 2**24."""
 
-LayoutName = Literal[(*BUILTIN_LAYOUTS, "balanced", "auto")]
+LayoutName = Literal[(*BUILTIN_LAYOUTS, *DOCUMENT_LAYOUTS, "auto")]
 BackendName = Literal[("auto", *BACKENDS)]
 SeqLen = Annotated[int, Ge(2), Le(MAX_SEQ_LEN)]
 
@@ -100,10 +100,12 @@ class ParallelOptions:
     layout: LayoutName = "auto"
     """How sequences are split over a ring. auto: balanced with data.documents, else zigzag;
     balanced (data.documents only): each sequence laid out by its own documents, with equal
-    tokens and near-equal attention work per rank. train.seq_len and eval.passkey_lengths
-    must split evenly (zigzag: multiples of 2 × cp; contiguous, striped, balanced: of cp);
-    passkey evaluation (one document per sequence) runs zigzag where training runs
-    balanced."""
+    tokens and near-equal attention work per rank, heavy documents spread over every rank;
+    whole (data.documents only): the same work equality with every document kept on as few
+    ranks as the shares allow, so that fewer keys travel. train.seq_len and
+    eval.passkey_lengths must split evenly (zigzag: multiples of 2 × cp; contiguous,
+    striped, balanced, whole: of cp); passkey evaluation (one document per sequence) runs
+    zigzag where training runs balanced or whole."""
     attention_backend: BackendName = "auto"
     """Local attention kernel (auto: triton on CUDA when installed, else sdpa)."""
     fsdp: bool = False
@@ -259,10 +261,11 @@ class TrainOptions:
                     else f"parallel.dp_replicate={replicas} × dp={parallel.dp} = {slices} slices")
             raise ValueError(f"train.global_batch: {train.global_batch} does not split over "
                              f"{over}; use a multiple of {slices}")
-        if parallel.layout == "balanced" and not self.data.documents:
+        if parallel.layout in DOCUMENT_LAYOUTS and not self.data.documents:
             raise ValueError(
-                "parallel.layout: 'balanced' lays each sequence out by its documents and needs "
-                "data.documents: true; use 'auto' (zigzag without documents) or another layout"
+                f"parallel.layout: {parallel.layout!r} lays each sequence out by its documents "
+                f"and needs data.documents: true; use 'auto' (zigzag without documents) or "
+                f"another layout"
             )
         if parallel.cp is not None:
             lengths = [("train.seq_len", train.seq_len, self.layout_kind)] + [
@@ -294,9 +297,10 @@ class TrainOptions:
     def eval_layout_kind(self) -> str:
         """The layout of whole-sequence evaluation (passkey retrieval, next-token
         prediction), whose sequences are one document each: the training layout, or zigzag
-        in place of ``balanced`` (these sequences have no document lengths to balance)."""
+        in place of ``balanced`` and ``whole`` (these sequences have no document lengths to
+        balance)."""
         kind = self.layout_kind
-        return "zigzag" if kind == "balanced" else kind
+        return "zigzag" if kind in DOCUMENT_LAYOUTS else kind
 
     @property
     def checkpoint_location(self) -> str:
