@@ -44,8 +44,6 @@ of a group do equal work).
 from __future__ import annotations
 
 import itertools
-import math
-import random
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -71,6 +69,10 @@ from ringray.attention.ulysses import (
     ulysses_transfer_seconds,
 )
 from ringray.bench.gloo_ranks import run_gloo_ranks
+
+# The named document mixes live in ringray.data (the plan reads them too); kept here by name.
+from ringray.data.mixes import DOCUMENT_SPECS as DOCUMENT_SPECS
+from ringray.data.mixes import document_lengths as document_lengths
 
 
 @dataclass(frozen=True)
@@ -315,52 +317,3 @@ def ulysses_tables(results: list[LayoutResult]) -> list[Table]:
         )
     tables.append(summary)
     return tables
-
-
-DOCUMENT_SPECS = ("stdlib", "lognormal:MEAN", "fixed:LEN")
-LOGNORMAL_SIGMA = 1.0  # spread of the lognormal document lengths (natural-log units)
-
-
-def document_lengths(spec: str, seq_len: int) -> list[int]:
-    """Document lengths packed greedily into ``seq_len`` tokens, the last one cut to fit.
-
-    ``stdlib``: the standard-library corpus (:class:`ringray.data.StdlibSource`) in its own
-    order; with the byte tokenizer a document's token count is its byte length.
-    ``lognormal:MEAN``: lengths drawn (seed 0) from a lognormal of mean ``MEAN`` tokens and
-    sigma :data:`LOGNORMAL_SIGMA`. ``fixed:LEN``: every document ``LEN`` tokens. Raises
-    ``ValueError("documents: ...")`` on a bad spec.
-    """
-    kind, _, value = spec.partition(":")
-    if kind == "stdlib" and not value:
-        from ringray.data import StdlibSource
-
-        return _pack(iter(StdlibSource().document_lengths), seq_len)
-    if kind in ("lognormal", "fixed") and value:
-        try:
-            number = float(value) if kind == "lognormal" else int(value)
-        except ValueError:
-            number = 0
-        if number >= 1 and math.isfinite(number):
-            if kind == "fixed":
-                return _pack(itertools.repeat(number), seq_len)
-            rnd = random.Random(0)
-            mu = math.log(number) - LOGNORMAL_SIGMA**2 / 2  # so that the mean is `number`
-            return _pack((round(rnd.lognormvariate(mu, LOGNORMAL_SIGMA))
-                          for _ in itertools.count()), seq_len)
-        what = "MEAN must be a number" if kind == "lognormal" else "LEN must be a whole number"
-        raise ValueError(f"documents: {spec!r}: {what} of tokens >= 1, e.g. {kind}:512")
-    raise ValueError(f"documents: unknown spec {spec!r}; valid: {', '.join(DOCUMENT_SPECS)}")
-
-
-def _pack(lengths, seq_len: int) -> list[int]:
-    """Lengths (each at least 1) taken in order until they fill ``seq_len``; the last is cut."""
-    packed: list[int] = []
-    total = 0
-    for length in lengths:
-        take = min(max(1, int(length)), seq_len - total)
-        packed.append(take)
-        total += take
-        if total == seq_len:
-            return packed
-    raise ValueError(f"documents: the corpus holds only {total} tokens, fewer than the "
-                     f"sequence's {seq_len}")

@@ -25,6 +25,11 @@ class PlanInputs:
     activation_checkpointing: str  # "none" | "full" | "selective"
     fsdp: bool = False  # weights, gradients and AdamW state sharded over dp x cp
     ulysses: int = 1  # ranks per Ulysses group; the ring has cp / ulysses ranks
+    # The document lengths of one packed sequence, to plan the ring's steps by (``ringray
+    # plan --documents SPEC``), and the spec they came from; None: one document.
+    documents: tuple[int, ...] | None = None
+    documents_spec: str | None = None
+    packs_documents: bool = False  # the job's data.documents
 
     @property
     def ring_size(self) -> int:
@@ -82,5 +87,5 @@ class PlanInputs:
             name=name, model=options.model, seq_len=train.seq_len,
             global_batch=train.global_batch, dp=dp, cp=cp, layout=options.layout_kind,
             bf16=bf16, activation_checkpointing=train.activation_checkpointing,
-            fsdp=options.parallel.fsdp, ulysses=ulysses,
+            fsdp=options.parallel.fsdp, ulysses=ulysses, packs_documents=options.data.documents,
         )

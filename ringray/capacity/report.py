@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
-from ringray.accelerators import GIB, ClusterShape
+from ringray.accelerators import GIB, ClusterShape, PlanError
 from ringray.attention.layouts import seq_len_divisor
 from ringray.capacity.fit import (
     MEMORY_RESERVE_RATIO,
@@ -16,6 +16,7 @@ from ringray.capacity.fit import (
     overlap_check,
 )
 from ringray.capacity.inputs import PlanInputs
+from ringray.capacity.masked import MAX_WALKED_POSITIONS, MaskLine, RingShape, step_plan
 from ringray.capacity.ulysses import (
     ULYSSES_RULE,
     UlyssesOption,
@@ -55,6 +56,11 @@ class PlanReport:
     reasons: tuple[str, ...]  # why it does not fit (empty when it fits)
     ulysses_options: tuple[UlyssesOption, ...] = ()  # every divisor of cp (ulysses_options)
     recommended_ulysses: int = 1
+    # The ring's real step plan under the job's masks (documents, windows): one line per
+    # mask; empty when there is one causal document per sequence (the overlap rule is then
+    # the plan), with ``step_plan_note`` saying why when it could not be walked.
+    step_plan: tuple[MaskLine, ...] = ()
+    step_plan_note: str = ""
 
     @property
     def job_ulysses(self) -> UlyssesOption | None:
@@ -84,6 +90,11 @@ class PlanReport:
                         "hidden": self.overlap.hidden},
             "ulysses": [{**asdict(option), "exposed_seconds": option.exposed_seconds}
                         for option in self.ulysses_options],
+            "step_plan": [{"mask": line.mask, "layers": line.layers,
+                           "ringray": {**asdict(line.ringray),
+                                       "bytes_fraction": line.ringray.bytes_fraction},
+                           "plain_ring": asdict(line.plain)} for line in self.step_plan],
+            "step_plan_note": self.step_plan_note,
             "recommended_ulysses": self.recommended_ulysses,
             "ulysses_rule": ULYSSES_RULE,
             "devices_needed": self.devices_needed,
@@ -129,6 +140,7 @@ class PlanReport:
             *self._memory_lines(),
             "",
             *self._overlap_lines(),
+            *self._step_plan_lines(),
             "",
             *self._ulysses_lines(),
             f"recommended: {recommended}",
@@ -185,6 +197,25 @@ class PlanReport:
             f"  forward step      {o.forward_compute_seconds * 1e3:.3g} ms compute at peak, "
             f"{o.forward_transfer_seconds * 1e3:.3g} ms transfer (one layer)",
         ]
+
+    def _step_plan_lines(self) -> list[str]:
+        if self.step_plan_note:
+            return [f"ring step plan: {self.step_plan_note}"]
+        if not self.step_plan:
+            return []
+        i = self.inputs
+        docs = (f", documents {i.documents_spec} ({len(i.documents)} in a sequence)"
+                if i.documents is not None else "")
+        lines = [f"ring step plan ({i.layout} layout{docs}; one layer, forward + backward, at "
+                 f"peak; a projection from the plan the ring runs)"]
+        for line in self.step_plan:
+            r, p = line.ringray, line.plain
+            lines.append(
+                f"  {line.mask + ' (' + str(line.layers) + ' layers)':<26}{_ms(r.seconds)} ms, "
+                f"{_ms(r.exposed_seconds)} ms exposed, {r.bytes_fraction:.0%} of the plain "
+                f"ring's bytes (plain ring {_ms(p.seconds)} ms, {_ms(p.exposed_seconds)} ms "
+                f"exposed)")
+        return lines
 
     def _recommended_ulysses_lines(self) -> list[str]:
         if len(self.ulysses_options) < 2:
@@ -281,13 +312,45 @@ def plan(inputs: PlanInputs, cluster: ClusterShape) -> PlanReport:
         reasons.append(f"parallel.ulysses: {inputs.ulysses} is not allowed here: "
                        f"{own.refused}")
     layout = inputs.layout if inputs.layout in ("zigzag", "striped") else "zigzag"
+    lines, note = _step_plan(inputs, cluster)
     return PlanReport(
         inputs=inputs, cluster=cluster, memory=memory, overlap=overlap_check(inputs, cluster),
         devices_needed=devices_needed, recommended_cp=recommend_cp(inputs, cluster, layout),
         recommended_layout=layout, layout_note=_layout_note(inputs.layout, inputs.cp),
         fits=not reasons, reasons=tuple(reasons), ulysses_options=grids,
-        recommended_ulysses=recommend_ulysses(grids),
+        recommended_ulysses=recommend_ulysses(grids), step_plan=lines, step_plan_note=note,
     )
+
+
+def _step_plan(inputs: PlanInputs, cluster: ClusterShape) -> tuple[tuple[MaskLine, ...], str]:
+    """The ring's step plan under the job's documents and windows, or a note saying why it
+    is not walked (nothing masked: the overlap rule is the plan; too large to walk)."""
+    cfg = inputs.model
+    windows = [cfg.layer_window(layer) for layer in range(cfg.n_layers)]
+    masked = inputs.documents is not None or any(w is not None for w in windows)
+    if inputs.ring_size == 1:
+        return (), ""
+    if not masked:
+        if inputs.packs_documents:
+            return (), ("the job packs documents (data.documents); give --documents SPEC "
+                        "(stdlib, lognormal:MEAN or fixed:LEN) to plan its steps by a mix")
+        return (), ""
+    if inputs.seq_len * inputs.ring_size > MAX_WALKED_POSITIONS:
+        return (), (f"not walked: seq {inputs.seq_len} over a ring of {inputs.ring_size} is "
+                    f"more than {MAX_WALKED_POSITIONS} positions to plan here")
+    from ringray.attention.layouts import make_layout
+    from ringray.train.footprint import kv_repeat
+
+    documents = list(inputs.documents) if inputs.documents is not None else None
+    layout = make_layout(inputs.layout, inputs.ring_size, inputs.seq_len, documents=documents)
+    _, link_rate = cluster.ring_link(inputs.cp)
+    u = inputs.ulysses
+    shape = RingShape(q_heads=cfg.n_heads / u, kv_heads=cfg.n_kv_heads * kv_repeat(cfg, u) / u,
+                      head_dim=cfg.head_dim, batch=inputs.local_batch,
+                      kv_bytes=inputs.activation_dtype_bytes,
+                      peak_flops=cluster.accelerator.peak_flops,
+                      link_bytes_per_second=link_rate)
+    return step_plan(layout, documents, windows, shape), ""
 
 
 def _remedies(inputs: PlanInputs, cluster: ClusterShape) -> str:
@@ -308,6 +371,23 @@ def _remedies(inputs: PlanInputs, cluster: ClusterShape) -> str:
     return f"; lower peaks: {', '.join(hints)}" if hints else ""
 
 
-def plan_job(options: TrainOptions, cluster: ClusterShape, *, name: str) -> PlanReport:
-    """:func:`plan` for a job's training options (``name``: the job's, for the report)."""
-    return plan(PlanInputs.from_options(options, cluster, name=name), cluster)
+def plan_job(options: TrainOptions, cluster: ClusterShape, *, name: str,
+             documents: str | None = None) -> PlanReport:
+    """:func:`plan` for a job's training options (``name``: the job's, for the report;
+    ``documents``: a mix to plan the ring's steps by, ``stdlib``, ``lognormal:MEAN`` or
+    ``fixed:LEN``)."""
+    inputs = PlanInputs.from_options(options, cluster, name=name)
+    if documents is not None:
+        from ringray.data.mixes import document_lengths
+
+        try:
+            lengths = document_lengths(documents, inputs.seq_len)
+        except ValueError as exc:
+            raise PlanError(f"--documents: {str(exc).removeprefix('documents: ')}") from None
+        layout = inputs.layout
+        if not inputs.packs_documents and layout == "zigzag" and options.parallel.layout == \
+                "auto":
+            layout = "balanced"  # what auto runs once data.documents is on
+        inputs = replace(inputs, documents=tuple(lengths), documents_spec=documents,
+                         layout=layout)
+    return plan(inputs, cluster)

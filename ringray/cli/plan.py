@@ -29,6 +29,10 @@ def plan(
     overrides: list[str] = typer.Option(  # noqa: B008 - typer's documented form
         [], "--set", help="Override a spec field (repeatable), e.g. parallel.cp=16."
     ),
+    documents: str | None = typer.Option(
+        None, "--documents", metavar="SPEC",
+        help="Plan the ring's steps for packed documents of this mix: stdlib, "
+        "lognormal:MEAN or fixed:LEN (one sequence's lengths)."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
 ) -> None:
     """Will a job fit its cluster? Memory, ring overlap, Ulysses, recommended cp, verdict.
@@ -38,6 +42,8 @@ def plan(
     Overlap: the threshold block c >= F/B x constant vs the ring's block per rank.
     Ulysses x ring: for each ulysses dividing cp, the all-to-all seconds (inside a
     node) beside the ring's transfer and exposed seconds, and the recommended ulysses.
+    Step plan: with packed documents (--documents) or sliding windows, the time and bytes
+    of one layer's ring from the transfer plan the ring runs, beside the plain ring's.
     Exit code 0 when the job fits, 1 when it does not, 2 for a usage error.
 
     Examples:
@@ -49,6 +55,8 @@ def plan(
       ringray plan jobs/quickstart.yaml --gpu-tflops 300 --link-gbps 100 --gpu-mem-gib 24
 
       ringray plan jobs/llama-1b-128k-h100.yaml --cluster 2x8xH100 --set parallel.ulysses=2
+
+      ringray plan jobs/quickstart.yaml --cluster 1x8xH100 --documents stdlib
     """
     from ringray.capacity import PlanError, custom_cluster, parse_cluster, plan_job
     from ringray.spec import JobSpecError, load_job_spec
@@ -72,7 +80,7 @@ def plan(
                 f"device is given by --gpu-tflops, --link-gbps and --gpu-mem-gib (missing: "
                 f"{', '.join(missing)})")
         spec = load_job_spec(spec_path, overrides)
-        report = plan_job(spec.train_options(), shape, name=spec.name)
+        report = plan_job(spec.train_options(), shape, name=spec.name, documents=documents)
     except (JobSpecError, PlanError) as exc:
         fail(str(exc).replace("\n", "; "))
     if as_json:
