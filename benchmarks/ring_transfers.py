@@ -65,8 +65,8 @@ def main() -> None:
     print("| mask | N | S | layout | bytes sent / plain ring | worst rank | blocks only "
           "| rounds | work imbalance |")
     print("|---|---|---|---|---|---|---|---|---|")
-    masks = [(spec, None) for spec in args.documents.split(",")]
-    masks += [(None, int(w)) for w in args.windows.split(",")]
+    masks = [(spec, None) for spec in args.documents.split(",") if spec]
+    masks += [(None, int(w)) for w in args.windows.split(",") if w]
     for spec, window in masks:
         for seq in seqs:
             documents = document_lengths(spec, seq) if spec else None
