@@ -57,3 +57,24 @@ def test_bench_ring_with_documents_reports_every_layout():
     assert rows["balanced"]["imbalance_theoretical"] <= 1.02
     assert rows["whole"]["imbalance_theoretical"] <= 1.02
     assert rows["whole"]["bytes_sent_per_rank"] < rows["balanced"]["bytes_sent_per_rank"]
+
+
+def test_bench_ring_runs_the_plain_rings_traffic_beside_the_plan():
+    """``--transfers all,mask``: each layout runs twice in one run, every block to every
+    rank and only what readers read; the plain ring's traffic sends more, and the table
+    shows both with the bytes and the call time."""
+    args = ["bench", "ring", "--world", "2", "--seq", "512", "--heads", "2", "--kv-heads", "1",
+            "--head-dim", "16", "--documents", "lognormal:60", "--iters", "1",
+            "--layouts", "whole", "--transfers", "all,mask"]
+    result = CliRunner().invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)
+    assert [(r["layout"], r["transfers"]) for r in rows] == [("whole", "all"),
+                                                              ("whole", "mask")]
+    assert rows[0]["bytes_sent_per_rank"] > rows[1]["bytes_sent_per_rank"]
+    table = CliRunner().invoke(app, args)
+    assert table.exit_code == 0, table.output
+    assert "transfers" in table.output and "sent MiB" in table.output
+    bad = CliRunner().invoke(app, [*args[:-1], "all,some"])
+    assert bad.exit_code == 2
+    assert "--transfers: 'all,some' is not a comma-separated list of mask, all" in bad.output

@@ -212,3 +212,50 @@ def test_a_late_peer_is_peer_wait_not_unhidden_transfer():
     assert late["peer_wait"] < 0.25 * LATE_SECONDS, late
     assert 0.0 <= late["overlap"] <= 1.0, late
     assert punctual["sum_ok"] and late["sum_ok"]
+
+
+def both_transfer_modes(rank: int, world: int) -> dict:
+    """The same call with ``transfers="mask"`` and ``"all"`` on the ``whole`` layout over
+    packed documents (a length-1 document included): outputs, LSE and gradients, and the
+    bytes each mode sent."""
+    documents = [1, 17, 30, 5, 19]  # 72 tokens
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 72, heads, 16) for heads in (4, 2, 2))
+    dout = torch.randn(1, 72, 4, 16)
+    layout = make_layout("whole", world, 72, documents=documents)
+    result = {}
+    for mode in ("mask", "all"):
+        leaves = [layout.shard(t, rank).clone().requires_grad_() for t in (q, k, v)]
+        stats = RingStats()
+        out, lse = ring_attention(*leaves, layout=layout, documents=documents, stats=stats,
+                                  return_lse=True, transfers=mode)
+        out.backward(layout.shard(dout, rank))
+        result[mode] = {"out": out.detach(), "lse": lse, "grads": [t.grad for t in leaves],
+                        "bytes": [c.bytes_sent for c in stats.calls],
+                        "transfers": [c.transfers for c in stats.calls]}
+    try:
+        ring_attention(*(layout.shard(t, rank) for t in (q, k, v)), layout=layout,
+                       documents=documents, transfers="some")
+    except ValueError as exc:
+        result["error"] = str(exc)
+    return result
+
+
+def test_transfers_all_is_the_plain_rings_traffic_with_the_same_result():
+    """``transfers="all"`` (the baseline ``ringray bench ring --transfers all`` runs beside
+    ringray's plan) sends every block whole to every rank: N - 1 K/V blocks forward, N - 2
+    K/V blocks and N - 1 dK/dV sums backward per rank (the backward keeps the block the
+    forward received last), float32; and gives bit-identical outputs, LSE and gradients to
+    the default, which sends less. A bad mode is one line naming the argument."""
+    world = 3
+    results = run_gloo_ranks(world, both_transfer_modes, timeout_seconds=120)
+    kv_block = 2 * 1 * (72 // world) * 2 * 16 * 4
+    for rank, result in enumerate(results):
+        mask, every = result["mask"], result["all"]
+        assert torch.equal(mask["out"], every["out"]) and torch.equal(mask["lse"], every["lse"])
+        assert all(torch.equal(a, b) for a, b in zip(mask["grads"], every["grads"], strict=True))
+        assert every["bytes"] == [2 * kv_block, kv_block + 2 * kv_block], rank
+        assert every["transfers"] == [2, 3]
+        assert sum(mask["bytes"]) < sum(every["bytes"]), rank
+        assert result["error"].startswith("transfers: expected 'mask' (only what a reader's "
+                                          "queries see) or 'all'"), result["error"]

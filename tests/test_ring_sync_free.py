@@ -12,7 +12,7 @@ two processes running the fused path (the Triton kernels, in Triton's interprete
 - host-to-device copies of positions, document ids and tile metadata: misses of the caches
   that hold them (``_device_tokens``, the rank and transfer plans, the Triton tile lists).
 
-The one thing allowed per call is the agreement, a 23-integer MAX all-reduce on the ring's
+The one thing allowed per call is the agreement, a 25-integer MAX all-reduce on the ring's
 CPU side group (``agreement_group``); its wall time per call is printed.
 """
 
@@ -107,13 +107,13 @@ def _rank_counts(rank: int, world: int) -> dict:
         after = _cache_misses()
         per_call.append({"log": log, "misses": {n: after[n] - before[n] for n in after}})
 
-    # The agreement's cost: the MAX all-reduce of the 23-integer vector on the side group.
+    # The agreement's cost: the MAX all-reduce of the 25-integer vector on the side group.
     from ringray.attention.comm import agree_max
 
     dist.barrier()
     start = time.perf_counter()
     for _ in range(50):
-        agree_max(torch.zeros(23, dtype=torch.int64), None)
+        agree_max(torch.zeros(25, dtype=torch.int64), None)
     agreement_ms = (time.perf_counter() - start) / 50 * 1e3
 
     errors = {}

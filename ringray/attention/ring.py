@@ -88,6 +88,7 @@ def ring_attention(
     stats: RingStats | None = None,
     documents: Documents | list[int] | None = None,
     window: int | None = None,
+    transfers: str = "mask",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact (causal) attention of this rank's queries over the whole ring's keys.
 
@@ -120,6 +121,10 @@ def ring_attention(
         window: a sliding window (needs ``causal``): a query sees keys at most ``window - 1``
             positions before it (``window=1``: only itself). ``None``, or a window as long
             as the sequence: no window.
+        transfers: ``"mask"`` (the default): a K/V block goes only to the ranks whose
+            queries see some of its keys, and only those rows (:mod:`.transfers`).
+            ``"all"``: every block goes whole to every rank, as a plain ring relays it
+            (the same result; a baseline for ``ringray bench ring --transfers``).
 
     Raises:
         ValueError: on a bad argument (naming it), or when another rank of the ring (or
@@ -137,7 +142,7 @@ def ring_attention(
             check_grid(comm, grid)
         checked = check_local(q, k, v, comm, layout, causal, softmax_scale, backend,
                               documents, ulysses=grid.world_size if grid is not None else 1,
-                              window=window)
+                              window=window, transfers=transfers)
     except ValueError as exc:
         error = exc
     agree_across_ranks(comm, checked, error, grid)
@@ -147,7 +152,7 @@ def ring_attention(
         q, k, v = sequence_to_heads(q, k, v, grid, stats)
     out, lse = _RingAttention.apply(
         q, k, v, comm, checked.layout.ring, causal, checked.scale, checked.kernel, stats,
-        checked.documents, checked.window,
+        checked.documents, checked.window, checked.transfers == "all",
     )
     if grid is not None:
         out = heads_to_sequence(out, grid, stats)
@@ -163,8 +168,8 @@ def _plan(layout: Layout, rank: int, causal: bool, documents: Documents | None,
 
 @lru_cache(maxsize=64)
 def _transfers(layout: Layout, causal: bool, documents: Documents | None,
-               window: int | None) -> TransferPlan:
-    return plan_transfers(layout, causal, documents, window)
+               window: int | None, every_block: bool = False) -> TransferPlan:
+    return plan_transfers(layout, causal, documents, window, every_block=every_block)
 
 
 def _kernel_args(piece: Piece, call: RingCall, k_rank: int) -> dict:
@@ -344,7 +349,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, comm: RingComm, layout: Layout, causal: bool, scale: float,
                 kernel: BlockAttentionBackend, stats: RingStats | None,
-                documents: Documents | None, window: int | None):
+                documents: Documents | None, window: int | None, every_block: bool = False):
         rank = comm.rank
         fused = isinstance(kernel, FusedStepBackend)
         positions, doc_ids = (_device_tokens(layout, documents, q.device) if fused
@@ -353,7 +358,7 @@ class _RingAttention(torch.autograd.Function):
                         stats=stats, kv_dtype=k.dtype, positions=positions, doc_ids=doc_ids,
                         documents=documents, window=window,
                         plan=_plan(layout, rank, causal, documents, window),
-                        transfers=_transfers(layout, causal, documents, window))
+                        transfers=_transfers(layout, causal, documents, window, every_block))
         acc = accumulation_dtype(q.dtype)
         batch, seq, q_heads, head_dim = q.shape
         q_t = q.transpose(1, 2)
@@ -479,7 +484,7 @@ class _RingAttention(torch.autograd.Function):
         _record_call(call, "backward", kv_bytes, dkv_own.numel() * dkv_own.element_size(),
                      sent_bytes)
         return (dq.transpose(1, 2).to(q.dtype), dk, dv,
-                None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None)
 
 
 def _forward_block(call: RingCall, source: int, q_t: torch.Tensor, kv_block: torch.Tensor,

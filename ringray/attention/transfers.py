@@ -238,10 +238,18 @@ class TransferPlan:
 
 def plan_transfers(
     layout: Layout, causal: bool, documents: Documents | None = None,
-    window: int | None = None,
+    window: int | None = None, *, every_block: bool = False,
 ) -> TransferPlan:
     """The :class:`TransferPlan` of a ring call over ``layout`` (its ring: one block per
-    rank) under the mask: causal or not, packed ``documents``, a sliding ``window``."""
+    rank) under the mask: causal or not, packed ``documents``, a sliding ``window``.
+
+    ``every_block``: the plain ring's traffic instead, for comparison: every block goes
+    whole to every rank (round t: ring distance t), read or not."""
+    if every_block:
+        world = layout.world_size
+        reads = tuple(tuple(True for _ in range(world)) for _ in range(world))
+        return TransferPlan(world_size=world, reads=reads, rounds=transfer_rounds(reads),
+                            block_rows=layout.local_len)
     work = block_work(layout, documents, causal=causal, window=window)
     reads = tuple(tuple(pairs > 0 for pairs in row) for row in work)
     rows = read_rows(layout, causal, documents, window)

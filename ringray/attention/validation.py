@@ -1,7 +1,7 @@
 """Input checks for :func:`ring_attention`, done before any block is sent.
 
 Two stages. :func:`check_local` looks at this rank's arguments and raises ``ValueError``
-naming the argument. :func:`agree_across_ranks` then runs one small all-reduce (23 host
+naming the argument. :func:`agree_across_ranks` then runs one small all-reduce (25 host
 integers on the group's CPU side group, :func:`~.comm.agreement_group`: no device copy, no
 CUDA sync; 0.27 ms per call measured on gloo between two local processes) in which every
 rank reports whether its check passed (and which argument it rejected) and what it is about
@@ -39,14 +39,16 @@ _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.flo
 # different ulysses degree also changes the layout: it is named first, being the cause).
 _AGREED_FIELDS = (
     "batch", "local_seq", "q_heads", "kv_heads", "head_dim", "dtype", "causal", "window",
-    "ulysses", "layout", "documents",
+    "transfers", "ulysses", "layout", "documents",
 )
 # Fields compared by checksum: a disagreement names the field, not two meaningless numbers.
 _CHECKSUM_FIELDS = {"layout", "documents"}
 # The arguments a rank can reject, by the name its error message starts with ("name: ...");
 # the others learn which one (code = index + 1; 0: another).
 _ARGUMENTS = ("q", "k", "v", "layout", "documents", "softmax_scale", "backend", "group",
-              "ulysses_group", "window")
+              "ulysses_group", "window", "transfers")
+# ``transfers``: what moves between ranks (see ring_attention).
+TRANSFER_MODES = ("mask", "all")
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,7 @@ class CheckedCall:
     documents: Documents | None
     signature: tuple[int, ...]  # the values of _AGREED_FIELDS, compared across ranks
     window: int | None = None  # None also when the window spans the whole sequence
+    transfers: str = "mask"
 
 
 def check_local(
@@ -73,6 +76,7 @@ def check_local(
     documents: Documents | list[int] | None = None,
     ulysses: int = 1,
     window: int | None = None,
+    transfers: str = "mask",
 ) -> CheckedCall:
     """Validate this rank's arguments; ``ValueError`` names the first bad one. ``ulysses``:
     ranks per Ulysses group (the layout then covers ``comm.world_size * ulysses`` ranks)."""
@@ -122,15 +126,18 @@ def check_local(
             raise
         raise ValueError(f"{exc} (local_seq {local_seq} x {ranks} ranks)") from None
     window = check_window(window, causal, seq_len)
+    if transfers not in TRANSFER_MODES:
+        raise ValueError(f"transfers: expected 'mask' (only what a reader's queries see) or "
+                         f"'all' (every block to every rank, whole), got {transfers!r}")
     resolved = make_layout(layout, ranks, seq_len, documents=docs, ulysses=ulysses)
     kernel = resolve_backend(backend, q.device, q.dtype)
     scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
     signature = (
         batch, local_seq, q_heads, kv_heads, head_dim, _DTYPE_CODES[q.dtype], int(causal),
-        window or 0, ulysses, resolved.fingerprint,
+        window or 0, TRANSFER_MODES.index(transfers), ulysses, resolved.fingerprint,
         docs.fingerprint + 1 if docs is not None else 0,
     )
-    return CheckedCall(resolved, scale, kernel, docs, signature, window)
+    return CheckedCall(resolved, scale, kernel, docs, signature, window, transfers)
 
 
 def check_window(window: object, causal: bool, seq_len: int) -> int | None:

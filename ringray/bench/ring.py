@@ -68,6 +68,7 @@ from ringray.attention.ulysses import (
     grid_groups,
     ulysses_transfer_seconds,
 )
+from ringray.attention.validation import TRANSFER_MODES
 from ringray.bench.gloo_ranks import run_gloo_ranks
 
 # The named document mixes live in ringray.data (the plan reads them too); kept here by name.
@@ -90,6 +91,14 @@ class RingBenchConfig:
     batch: int = 1
     documents: str | None = None  # a document_lengths spec; None: one causal sequence
     ulysses: int = 1  # ranks per Ulysses group (head all-to-all); the ring has world / ulysses
+    # ring_attention's transfers per layout, each run side by side: "mask" (only what a
+    # reader reads) and/or "all" (every block whole to every rank: the plain ring's traffic)
+    transfers: tuple[str, ...] = ("mask",)
+
+    @property
+    def runs(self) -> list[tuple[str, str]]:
+        """(layout, transfers) pairs, in the order they run."""
+        return [(name, mode) for name in self.layouts for mode in self.transfers]
 
 
 @dataclass(frozen=True)
@@ -130,6 +139,11 @@ class LayoutResult:
     transfer_exposed_seconds: list[float] | None = None  # per rank: transfer not hidden
     peer_wait_seconds: list[float] | None = None  # per rank: waiting for a late peer
     peer_wait_seconds_max: float = 0.0
+    transfers: str = "mask"  # ring_attention's transfers: "mask" or "all" (plain ring)
+
+
+def _run_key(name: str, mode: str) -> str:
+    return f"{name}|{mode}"
 
 
 def _inputs(cfg: RingBenchConfig):
@@ -179,7 +193,7 @@ def _rank_main(rank: int, world: int, cfg: RingBenchConfig) -> dict:
                          max(cfg.kv_heads // cfg.ulysses, 1), cfg.head_dim, dtype=q.dtype)
     dist.barrier()
     per_layout = {}
-    for name in cfg.layouts:
+    for name, mode in cfg.runs:
         layout = make_layout(name, world, cfg.seq, documents=documents, ulysses=cfg.ulysses)
         q_l, k_l, v_l, dout_l = (layout.shard(t, rank) for t in (q, k, v, dout))
         rows = []
@@ -189,7 +203,7 @@ def _rank_main(rank: int, world: int, cfg: RingBenchConfig) -> dict:
             dist.barrier()
             out = ring_attention(qg, kg, vg, ring_group, ulysses_group=ulysses_group,
                                  layout=layout, causal=cfg.causal, stats=stats,
-                                 documents=documents)
+                                 documents=documents, transfers=mode)
             out.backward(dout_l)
             transfer, transfer_bytes = ring_transfer_seconds(ring, k_ring)
             totals = stats.totals(transfer_seconds_per_byte=(
@@ -202,7 +216,7 @@ def _rank_main(rank: int, world: int, cfg: RingBenchConfig) -> dict:
                                        totals.a2a_bytes_sent, a2a_alone,
                                        totals.transfer_exposed_seconds,
                                        totals.peer_wait_seconds))
-        per_layout[name] = RankResult(
+        per_layout[_run_key(name, mode)] = RankResult(
             compute_seconds=statistics.median(r.compute_seconds for r in rows),
             exposed_comm_seconds=statistics.median(r.exposed_comm_seconds for r in rows),
             transfer_seconds=statistics.median(r.transfer_seconds for r in rows),
@@ -222,8 +236,8 @@ def summarize(cfg: RingBenchConfig, per_rank: list[dict]) -> list[LayoutResult]:
     single = per_rank[0]["single"]
     documents = document_lengths(cfg.documents, cfg.seq) if cfg.documents else None
     results = []
-    for name in cfg.layouts:
-        ranks = [RankResult(**r["layouts"][name]) for r in per_rank]
+    for name, mode in cfg.runs:
+        ranks = [RankResult(**r["layouts"][_run_key(name, mode)]) for r in per_rank]
         compute = [r.compute_seconds for r in ranks]
         exposed = [r.exposed_comm_seconds for r in ranks]
         transfer = [r.transfer_seconds for r in ranks]
@@ -261,6 +275,7 @@ def summarize(cfg: RingBenchConfig, per_rank: list[dict]) -> list[LayoutResult]:
                 transfer_exposed_seconds=not_hidden,
                 peer_wait_seconds=peer_wait,
                 peer_wait_seconds_max=max(peer_wait),
+                transfers=mode,
             )
         )
     return results
@@ -273,6 +288,10 @@ def run_ring_bench(cfg: RingBenchConfig) -> list[LayoutResult]:
         make_layout(name, cfg.world, cfg.seq, documents=documents, ulysses=cfg.ulysses)
     if cfg.ulysses > 1:
         check_ulysses_heads(cfg.heads, cfg.kv_heads, cfg.ulysses)
+    bad = [mode for mode in cfg.transfers if mode not in TRANSFER_MODES]
+    if bad or not cfg.transfers:
+        raise ValueError(f"transfers: {', '.join(bad) or 'none given'}; valid: "
+                         f"{', '.join(TRANSFER_MODES)}")
     per_rank = run_gloo_ranks(cfg.world, _rank_main, cfg, timeout_seconds=3600)
     return summarize(cfg, per_rank)
 

@@ -36,11 +36,19 @@ def bench_ring(
                                   help="Pack documents into the sequence and mask attention "
                                   "to each: stdlib (the standard library's files), "
                                   "lognormal:MEAN or fixed:LEN."),
+    transfers: str = typer.Option(
+        "mask", "--transfers",
+        help="Comma-separated transfer modes, each run per layout side by side: mask (only "
+        "the rows a reader reads) and/or all (every block whole to every rank, as a plain "
+        "ring)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object per layout."),
 ) -> None:
     """Overlap, load balance and work efficiency of ring attention on local gloo ranks.
 
     Example: ringray bench ring --world 4 --seq 16384 --heads 8 --kv-heads 2 --head-dim 64
+
+    Packed documents, the plain ring's traffic beside ringray's, in one run:
+    ringray bench ring --world 4 --documents stdlib --layouts balanced,whole --transfers all,mask
     """
     from ringray.bench.ring import RingBenchConfig, document_lengths, run_ring_bench
 
@@ -54,9 +62,12 @@ def bench_ring(
     if world % ulysses:
         fail(f"--ulysses: {ulysses} must divide --world {world} (the ring has world / ulysses "
              f"ranks)")
+    modes = tuple(m.strip() for m in transfers.split(",") if m.strip())
+    if not modes or any(m not in ("mask", "all") for m in modes):
+        fail(f"--transfers: {transfers!r} is not a comma-separated list of mask, all")
     cfg = RingBenchConfig(world=world, seq=seq, heads=heads, kv_heads=kv_heads,
                           head_dim=head_dim, layouts=names, causal=not full, iters=iters,
-                          documents=documents, ulysses=ulysses)
+                          documents=documents, ulysses=ulysses, transfers=modes)
     try:
         from ringray.attention import make_layout
         from ringray.attention.ulysses import check_ulysses_heads
@@ -76,7 +87,7 @@ def bench_ring(
     err.print(
         f"ring attention: {world} gloo ranks{grid} x 1 thread, seq {seq}, heads "
         f"{heads}/{kv_heads}, head_dim {head_dim}, {'full' if full else 'causal'}{packed}, "
-        f"layouts {', '.join(names)}",
+        f"layouts {', '.join(names)}, transfers {', '.join(modes)}",
         highlight=False,
     )
     with err.status("running (single-process SDPA reference, then each layout)..."):
@@ -318,7 +329,7 @@ def _print_ring_tables(results, per_document: bool = False) -> None:
 
     out = Console()
     for r in results:
-        table = Table(title=f"layout: {r.layout}", title_justify="left")
+        table = Table(title=f"layout: {r.layout}, transfers: {r.transfers}", title_justify="left")
         for col in ("rank", "compute s", "exposed comm s", "of it peer wait s",
                     "transfer alone s", "overlap"):
             table.add_column(col, justify="right")
@@ -332,17 +343,23 @@ def _print_ring_tables(results, per_document: bool = False) -> None:
     ideal = "1-process SDPA per document" if per_document else "1-process SDPA"
     step_note = ("; step imbal. theory = visible pairs of the slowest rank summed over ring "
                  "steps / mean" if per_document else "")
-    summary = Table(title="summary (compute = CPU seconds, forward + backward; imbalance = "
-                    f"max/mean; work eff. = ranks' compute / {ideal}{step_note})",
-                    title_justify="left")
+    summary = Table(title="summary (compute = CPU seconds, forward + backward; call s = the "
+                    "slowest rank's compute + exposed wait; sent = the most a rank sent; "
+                    "transfers: mask = only what readers read, all = every block to every "
+                    f"rank; imbalance = max/mean; work eff. = ranks' compute / {ideal}"
+                    f"{step_note})", title_justify="left")
     steps = ("step imbal. theory",) if per_document else ()
-    for col in ("layout", "overlap", "imbal.", "imbal. theory", *steps, "work eff.", "max s",
-                "SDPA s"):
+    for col in ("layout", "transfers", "call s", "sent MiB", "overlap", "imbal.",
+                "imbal. theory", *steps, "work eff.", "max s", "SDPA s"):
         summary.add_column(col, justify="right", no_wrap=True)
     for r in results:
         step = (f"{r.step_imbalance_theoretical:.3f}",) if per_document else ()
-        summary.add_row(r.layout, f"{r.overlap_ratio:.3f}", f"{r.imbalance_measured:.3f}",
-                        f"{r.imbalance_theoretical:.3f}", *step, f"{r.work_efficiency:.3f}",
-                        f"{r.compute_seconds_max:.3f}", f"{r.single_process_seconds:.3f}")
-    # The per-step column does not fit 80 columns (rich's width when output is piped).
-    (Console(width=max(out.width, 100)) if per_document else out).print(summary)
+        call = max(c + e for c, e in zip(r.compute_seconds, r.exposed_comm_seconds,
+                                         strict=True))
+        summary.add_row(r.layout, r.transfers, f"{call:.3f}",
+                        f"{r.bytes_sent_per_rank / 2**20:.1f}", f"{r.overlap_ratio:.3f}",
+                        f"{r.imbalance_measured:.3f}", f"{r.imbalance_theoretical:.3f}", *step,
+                        f"{r.work_efficiency:.3f}", f"{r.compute_seconds_max:.3f}",
+                        f"{r.single_process_seconds:.3f}")
+    # The summary does not fit 80 columns (rich's width when output is piped).
+    Console(width=max(out.width, 140)).print(summary)
