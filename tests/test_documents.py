@@ -253,20 +253,27 @@ MIXES = {
 }
 
 
+def seeded_layouts(kind: str, mix: str, world: int):
+    """``(seed, seq, documents, layout)`` for five seeds of ``mix``, each layout checked to
+    be a permutation of range(seq) with the same number of tokens on every rank."""
+    for seed in range(5):
+        rnd = random.Random(seed)
+        seq = world * rnd.choice([512, 1024, 4096])
+        documents = MIXES[mix](rnd, seq)
+        layout = make_layout(kind, world, seq, documents=documents)
+        assert sorted(torch.cat([layout.positions(r) for r in range(world)]).tolist()) == \
+            list(range(seq))
+        assert {len(layout.positions(r)) for r in range(world)} == {seq // world}
+        yield seed, seq, documents, layout
+
+
 @pytest.mark.parametrize("mix", list(MIXES))
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
 def test_balanced_layout_equalises_tokens_and_work(mix, world):
     """A permutation of range(seq_len) with the same number of tokens on every rank, a
     theoretical imbalance (max / mean visible pairs, causal) of at most 1.02 and a per-step
     one (:func:`step_imbalance`) of at most 1.15, over five seeds of each mix."""
-    for seed in range(5):
-        rnd = random.Random(seed)
-        seq = world * rnd.choice([512, 1024, 4096])
-        documents = MIXES[mix](rnd, seq)
-        layout = make_layout("balanced", world, seq, documents=documents)
-        assert sorted(torch.cat([layout.positions(r) for r in range(world)]).tolist()) == \
-            list(range(seq))
-        assert {len(layout.positions(r)) for r in range(world)} == {seq // world}
+    for seed, seq, documents, layout in seeded_layouts("balanced", mix, world):
         work = block_work(layout, documents)
         totals = [sum(row) for row in work]
         imbalance = max(totals) / statistics.mean(totals)
@@ -296,14 +303,7 @@ def test_whole_layout_keeps_documents_on_few_ranks_with_equal_work(mix, world):
     1.02 (as ``balanced``), and documents cut at most 2 (N - 1) times in all (each rank's
     share ends inside at most one document at each end of the density order), where
     ``balanced`` spreads every heavy document over all N ranks. Five seeds of each mix."""
-    for seed in range(5):
-        rnd = random.Random(seed)
-        seq = world * rnd.choice([512, 1024, 4096])
-        documents = MIXES[mix](rnd, seq)
-        layout = make_layout("whole", world, seq, documents=documents)
-        assert sorted(torch.cat([layout.positions(r) for r in range(world)]).tolist()) == \
-            list(range(seq))
-        assert {len(layout.positions(r)) for r in range(world)} == {seq // world}
+    for seed, seq, documents, layout in seeded_layouts("whole", mix, world):
         totals = [sum(row) for row in block_work(layout, documents)]
         assert max(totals) / statistics.mean(totals) <= 1.02, (mix, world, seed, totals)
         doc_ids = check_documents(documents, seq).ids
