@@ -55,15 +55,18 @@ def test_plan_predicts_the_measured_peak(results, sharding: str, mode: str) -> N
 @pytest.mark.parametrize("sharding", ["replicated", "fsdp"])
 def test_selective_checkpointing_sends_no_block_twice(results, sharding: str) -> None:
     """Per rank per step, cp 2, 2 layers: a K/V block is 2 (k, v) x 2 sequences x 1024
-    tokens x 2 kv heads x 32 x 4 B = 1 MiB. Without checkpointing each layer sends one K/V
-    block forward and, backward, one float32 dK/dV sum (the other rank's block is kept from
-    the forward, :mod:`ringray.attention.transfers`): 4 MiB. Selective checkpointing sends
-    exactly that; full checkpointing repeats the forward's ring pass: 6 MiB. Selective's peak
-    is below no checkpointing's."""
+    tokens x 2 kv heads x 32 x 4 B = 1 MiB. Zigzag over 2 ranks: rank 0 holds chunks 0 and
+    3, rank 1 chunks 1 and 2, so rank 1 reads half of rank 0's block (chunk 0) and rank 0
+    all of rank 1's. Without checkpointing each layer sends the rows read forward and,
+    backward, the float32 dK/dV rows of the other rank's block (that block is kept from the
+    forward, :mod:`ringray.attention.transfers`): rank 0 half a block and one sum, rank 1 one
+    block and half a sum, 1.5 MiB a layer each, 3 MiB a step. Selective checkpointing sends
+    exactly that; full checkpointing repeats the forward's ring pass: 4 MiB (rank 0) and
+    5 MiB (rank 1). Selective's peak is below no checkpointing's."""
     block = 2 * 2 * 1024 * 2 * 32 * 4
     none, full, selective = (results[f"{sharding}, {mode}"] for mode in MODES)
-    assert none.ring_bytes_sent == selective.ring_bytes_sent == [2 * 2 * block] * 2
-    assert full.ring_bytes_sent == [2 * 3 * block] * 2
+    assert none.ring_bytes_sent == selective.ring_bytes_sent == [2 * 3 * block // 2] * 2
+    assert full.ring_bytes_sent == [2 * 4 * block // 2, 2 * 5 * block // 2]
     assert selective.measured_bytes < none.measured_bytes
     assert full.measured_bytes <= selective.measured_bytes
 

@@ -24,14 +24,15 @@ def test_bench_ring_json_has_one_object_per_layout():
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout)
     assert [r["layout"] for r in rows] == ["zigzag", "contiguous"]
-    # What a rank sends on a ring of 2: a K/V block (256 tokens x 2 kv heads x 32 dims,
-    # float32, k and v) to each rank that reads it, and the float32 dK/dV sums of each block
-    # it read back to the block's owner (the backward keeps the block it received last, so
-    # sends none again). Zigzag: each rank reads the other's block: 2 blocks each. Contiguous
-    # (causal): rank 0 reads nothing of rank 1, so rank 0 sends its block and rank 1 its
-    # dK/dV sums: 1 block at most.
+    # What a rank sends on a ring of 2: the rows of its K/V block (256 tokens x 2 kv heads x
+    # 32 dims, float32, k and v) that the other rank reads, and the float32 dK/dV rows of
+    # the other's block that it read back to their owner (the backward keeps the block it
+    # received last, so sends none again). Zigzag: rank 0 holds chunks 0 and 3, rank 1
+    # chunks 1 and 2, so rank 1 reads only chunk 0 of rank 0's block: each rank sends one
+    # whole block and one half. Contiguous (causal): rank 0 reads nothing of rank 1, so
+    # rank 0 sends its block and rank 1 its dK/dV sums: 1 block at most.
     kv_block_bytes = 256 * 2 * 32 * 4 * 2
-    blocks = {"zigzag": 2, "contiguous": 1}
+    blocks = {"zigzag": 1.5, "contiguous": 1}
     for row in rows:
         assert KEYS <= row.keys()
         assert_summary_follows_from_the_ranks(row, ranks=2)
