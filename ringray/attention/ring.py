@@ -307,14 +307,6 @@ class _Buffers:
         self._template, self._dtype = template, dtype
         self._free: list[torch.Tensor] = []
 
-    @property
-    def template(self) -> torch.Tensor:
-        return self._template
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._dtype
-
     def take(self) -> torch.Tensor:
         """A free tensor, or a new one (zeros: a K/V block that gets only some rows keeps
         the others' values, which must be finite; a reused one holds earlier values)."""

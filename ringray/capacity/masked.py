@@ -84,9 +84,7 @@ def _exchange_rows(plan: TransferPlan, rank: int, exchange, backward: bool
                    ) -> tuple[float, float]:
     """(K/V rows, dK/dV rows) that cross this rank's link in one exchange, the busier way
     (a link carries both directions at once)."""
-    def rows(source: int, reader: int) -> int:
-        return plan.row_count(source, reader)
-
+    rows = plan.row_count
     kv_out = rows(rank, exchange.kv_to) if exchange.kv_to is not None else 0
     kv_in = rows(exchange.kv_from, rank) if exchange.kv_from is not None else 0
     dkv_out = dkv_in = 0
