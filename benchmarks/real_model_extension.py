@@ -194,13 +194,19 @@ def main() -> None:
                         default=["passkey", "ppl"])
     parser.add_argument("--cp", type=int, default=2, help="ranks in the ring")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkpoint", metavar="DIR",
+                        help="a Hugging Face checkpoint directory to score instead of the "
+                        "pretrained SmolLM2-135M (e.g. a fine-tune's `ringray export --hf`)")
     parser.add_argument("--json", metavar="PATH", help="write the rows as JSON (also as they "
                         "finish)")
     args = parser.parse_args()
     for name in args.configs:
         parse_config(name)
-    checkpoint = str(cached_model("smollm2-135m"))
-    print(f"SmolLM2-135M (trained at {TRAINED}) through a zigzag ring of {args.cp} gloo ranks "
+    checkpoint = args.checkpoint or str(cached_model("smollm2-135m"))
+    if not (Path(checkpoint) / "config.json").is_file():
+        parser.error(f"--checkpoint {checkpoint}: no config.json there (expected a Hugging "
+                     "Face checkpoint directory, e.g. from `ringray export RUN --hf DIR`)")
+    print(f"{checkpoint}: SmolLM2-135M (trained at {TRAINED}) through a zigzag ring of {args.cp} gloo ranks "
           f"(1 thread each), float32, forward only; lengths {args.lengths}, configs "
           f"{args.configs}, passkey depths {args.depths} x {args.samples}, perplexity on "
           f"{TEXT_FILE}; load average {os.getloadavg()[0]:.1f}", flush=True)

@@ -34,7 +34,7 @@ JOBS_DIR = Path(__file__).resolve().parent.parent / "jobs"
 JOBS_FROM_AN_EXPORT = {"extend-2-mid.yaml", "extend-3-long.yaml"}
 """Jobs whose model.from_pretrained is an earlier job's export, absent until that job runs."""
 JOBS_FROM_THE_MODEL_CACHE = {"smollm2-quickstart.yaml", "smollm2-32k-8xh100.yaml",
-                             "smollm2-128k-8xh100.yaml"}
+                             "smollm2-128k-8xh100.yaml", "smollm2-yarn4-cpu.yaml"}
 """Jobs whose model.from_pretrained is ``ringray models make smollm2-135m``'s checkpoint in
 ~/.cache/ringray/models (made here before they validate, as `make run-real` makes it)."""
 
