@@ -127,13 +127,10 @@ def _start_replica_job(nodes, name: str, run_dir: Path, *, steps: int, interval:
         replica_standby=standby))
 
 
-# Slow (make test-all): about 2 minutes, and it lost a start-up race once in make test
-# (2026-11-26: group 1's torchft manager asked for its first quorum 9 ms after group 0's,
-# group 0 formed the first quorum alone and group 1 waited out the 60 s quorum timeout, so
-# the "alone" steps came first; issue 26's note). make test keeps the replica groups' other
-# checks; the standby heal runs in make test-all until the start-up quorum waits for every
-# group.
-@pytest.mark.slow
+# In make test again (about 50 s): it was slow-marked after it lost a start-up race once
+# (group 0 formed the first torchft quorum alone before group 1's manager existed); every
+# group's manager now heartbeats from its build and each start gets a new Lighthouse
+# (tests/test_replicas.py::test_the_first_quorum_waits_for_a_group_that_heartbeats...).
 def test_a_dead_replica_groups_node_stops_no_step_and_its_replacement_heals(
         nodes, tmp_path: Path) -> None:
     """Two replica groups, each a ring of 2 on a node of its own, and a standby group's

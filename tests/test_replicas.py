@@ -227,11 +227,79 @@ def _assert_same_state(got: dict, want: dict, path: str = "") -> None:
         assert got == want, path
 
 
+def test_a_replica_groups_manager_starts_when_its_trainer_is_built(tmp_path) -> None:
+    """The torchft manager (which heartbeats at the Lighthouse) exists once the trainer is
+    built, before its first step, and the step uses that one (none is made later)."""
+    options = tiny_options(str(tmp_path), parallel={"dp": 1, "dp_replicate": 2},
+                           train={"global_batch": 4})
+    made = []
+
+    def factory(group, rank, world, state_dict, load_state_dict):
+        made.append((group.index, rank, world))
+        return _SoloManager([True])
+
+    group = ReplicaGroup(index=1, count=2, lighthouse="-", store=("-", 0))
+    trainer = Trainer(options, replicas=ReplicaSync(group, make_manager=factory))
+    assert made == [(1, 0, 1)]
+    assert trainer.step().committed
+    assert made == [(1, 0, 1)]
+
+
 # ----------------------------------------------------------------- real replica groups
 def _lighthouse(**kwargs):
     from torchft.coordination import LighthouseServer
 
     return LighthouseServer(bind="[::]:0", **kwargs)
+
+
+def test_the_first_quorum_waits_for_a_group_that_heartbeats_and_not_for_one_unknown() -> None:
+    """What the controller's start relies on (torchft's Lighthouse as the controller starts
+    it: ``min_replicas=1``, a join timeout): a group alone forms a quorum at once when no
+    other group is known, which is the start-up race a group's late manager caused; once the
+    other group heartbeats (its manager is built), the first group's request waits for it,
+    and both get one quorum of two."""
+    import threading
+    from datetime import timedelta
+
+    from torchft.coordination import LighthouseClient
+
+    def client(lighthouse):
+        return LighthouseClient(lighthouse.address(), connect_timeout=timedelta(seconds=5))
+
+    def ask(lighthouse, index: int, seconds: float):
+        return client(lighthouse).quorum(f"ringray_replica_{index}",
+                                         timeout=timedelta(seconds=seconds), step=0,
+                                         world_size=1)
+
+    unknown = _lighthouse(min_replicas=1, join_timeout_ms=5000, heartbeat_timeout_ms=5000)
+    try:
+        assert [m.replica_id for m in ask(unknown, 0, 5).participants] == [
+            "ringray_replica_0"]
+    finally:
+        unknown.shutdown()
+    known = _lighthouse(min_replicas=1, join_timeout_ms=5000, heartbeat_timeout_ms=5000)
+    try:
+        client(known).heartbeat("ringray_replica_1")
+        with pytest.raises(TimeoutError):
+            ask(known, 0, 1)
+    finally:
+        known.shutdown()
+    # (a new Lighthouse: the request that timed out above may linger as a participant)
+    known = _lighthouse(min_replicas=1, join_timeout_ms=5000, heartbeat_timeout_ms=5000)
+    try:
+        client(known).heartbeat("ringray_replica_1")
+        quorums = {}
+        first = threading.Thread(target=lambda: quorums.setdefault(0, ask(known, 0, 20)))
+        first.start()
+        first.join(timeout=1)
+        assert first.is_alive()  # still waiting for group 1
+        quorums[1] = ask(known, 1, 20)
+        first.join(timeout=25)
+        for index in (0, 1):
+            assert sorted(m.replica_id for m in quorums[index].participants) == [
+                "ringray_replica_0", "ringray_replica_1"]
+    finally:
+        known.shutdown()
 
 
 def test_two_replica_groups_equal_one_world_of_dp2(tmp_path) -> None:

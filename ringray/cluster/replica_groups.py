@@ -28,9 +28,11 @@ optimizer state, loader position, RNG, step), then trains with them. Replacement
 machine, which then recovers as without replicas: every worker restarted, the last
 checkpoint restored (two groups of two dying together take this path).
 
-**The Lighthouse** (torchft's quorum server) is an actor on the head node, started before
-the groups and kept for the job (a restart of the groups keeps it; if it dies, the groups'
-quorum calls fail, and the machine's recovery starts a new one).
+**The Lighthouse** (torchft's quorum server) is an actor on the head node, started anew
+before the groups at every start (the machine's restarts included) and kept while a lost
+group is replaced; if it dies, the groups' quorum calls fail, and the machine's recovery
+starts a new one. Every group's torchft managers exist from its build, so the first quorum
+waits for every group.
 
 **Checkpoints and the passkey evaluation** are taken by one replica group, the lowest index
 among those that trained the current step, while the others wait: the state is the same in
@@ -264,14 +266,14 @@ class ReplicatedWorkerGroup:
             future.result()  # WorkerGroupFailure / JobError / StopRequested: to the machine
 
     def _start_lighthouse(self) -> None:
-        if self.lighthouse is not None:
-            try:
-                ray.get(self.lighthouse.address.remote(), timeout=10)
-                return
-            except Exception as exc:
-                self.record.event(f"the torchft Lighthouse stopped answering ({exc}); "
-                                  f"starting a new one")
-                self._kill_lighthouse()
+        """A new Lighthouse for every start of the groups, the machine's restarts included:
+        one that remembers a quorum of the groups before the restart would give the first
+        group to ask a quorum of its own at once (torchft forms a quorum as soon as every
+        member of the previous one has asked), and the others would wait out their quorum
+        timeout. A new one knows only the groups that heartbeat to it, and each group's
+        managers exist from its build (:meth:`ReplicaSync.attach
+        <ringray.train.replicas.ReplicaSync.attach>`), so the first quorum waits for them."""
+        self._kill_lighthouse()
         heartbeat_ms = round(self.cluster.replica_heartbeat_seconds * 1000)
         self.lighthouse = ray.remote(Lighthouse).options(
             num_cpus=0, resources={HEAD_NODE_RESOURCE: 0.001}, max_restarts=0,

@@ -259,6 +259,17 @@ class ReplicaSync:
         """``(dp_rank, dp_size)`` this rank's loader reads as (:func:`loader_slot`)."""
         return loader_slot(self.group.index, self.group.count, dp_rank, dp)
 
+    def attach(self, trainer: Trainer) -> None:
+        """Create this rank's torchft ``Manager`` now (the trainer calls it when built), so
+        that the group heartbeats at the Lighthouse before any group asks for its first
+        quorum. Without it, a group whose build finished first could ask while another
+        group's managers did not exist yet, and the Lighthouse (``min_replicas=1``, no group
+        known to wait for) would give it a quorum of one: the first steps would run without
+        the other groups, which then wait out their quorum timeout. With every group known,
+        the first quorum waits for a majority of them, then for the rest up to the join
+        timeout; later quorums form at once from the previous quorum's members."""
+        self._manager_for(trainer)
+
     def _manager_for(self, trainer: Trainer) -> ReplicaManager:
         if self._manager is None:
             self._trainer = trainer

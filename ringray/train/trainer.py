@@ -179,6 +179,10 @@ class Trainer:
         # runs no benchmark).
         self.peak_flops_per_device: float | None = options.peak_flops_per_device
         self._transfer_seconds_per_byte: float | None = None
+        if replicas is not None:
+            # Heartbeating at the Lighthouse from here on, so that no group's first quorum
+            # forms before every group that was built is known to it.
+            replicas.attach(self)
 
     def calibrate(self) -> None:
         """Measure, once, what steps are reported against (collective): the device peak for
