@@ -29,11 +29,13 @@ from ringray.attention.stats import (
     RingTotals,
 )
 from ringray.attention.ulysses import check_ulysses_heads, grid_groups
+from ringray.attention.validation import RingAgreement
 
 __all__ = [
     "AllToAllRecord",
     "Documents",
     "Layout",
+    "RingAgreement",
     "RingCallRecord",
     "RingStats",
     "RingStepRecord",

@@ -70,7 +70,12 @@ from ringray.attention.ulysses import (
     lse_to_sequence,
     sequence_to_heads,
 )
-from ringray.attention.validation import CheckedCall, agree_across_ranks, check_local
+from ringray.attention.validation import (
+    CheckedCall,
+    RingAgreement,
+    agree_across_ranks,
+    check_local,
+)
 
 
 def ring_attention(
@@ -89,6 +94,7 @@ def ring_attention(
     documents: Documents | list[int] | None = None,
     window: int | None = None,
     transfers: str = "mask",
+    agreement: RingAgreement | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact (causal) attention of this rank's queries over the whole ring's keys.
 
@@ -125,6 +131,9 @@ def ring_attention(
             queries see some of its keys, and only those rows (:mod:`.transfers`).
             ``"all"``: every block goes whole to every rank, as a plain ring relays it
             (the same result; a baseline for ``ringray bench ring --transfers``).
+        agreement: a :class:`~ringray.attention.validation.RingAgreement` kept for one ring
+            context: the ranks agree on each call signature once, and calls with a
+            signature agreed before make no all-reduce. ``None``: every call agrees.
 
     Raises:
         ValueError: on a bad argument (naming it), or when another rank of the ring (or
@@ -145,7 +154,11 @@ def ring_attention(
                               window=window, transfers=transfers)
     except ValueError as exc:
         error = exc
-    agree_across_ranks(comm, checked, error, grid)
+    if agreement is None or checked is None or checked.signature not in agreement.signatures:
+        agree_across_ranks(comm, checked, error, grid)
+        if agreement is not None and checked is not None:
+            agreement.signatures.add(checked.signature)
+            agreement.agreed_calls += 1
     if error is not None:
         raise error
     if grid is not None:  # this rank's positions, all heads -> the ring member's chunk

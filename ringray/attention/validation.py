@@ -19,6 +19,9 @@ that was given other groups than its peers (a rank without ``ulysses_group`` amo
 with one): such a rank never joins its peers' all-reduce, and only the process group's own
 timeout ends the wait; ranks that swap or mislay their groups consistently are caught by
 :func:`~ringray.attention.ulysses.check_grid`.
+
+A :class:`RingAgreement` kept for a ring context runs the all-reduce once per call
+signature rather than once per call (its docstring says what that gives up).
 """
 
 from __future__ import annotations
@@ -49,6 +52,33 @@ _ARGUMENTS = ("q", "k", "v", "layout", "documents", "softmax_scale", "backend", 
               "ulysses_group", "window", "transfers")
 # ``transfers``: what moves between ranks (see ring_attention).
 TRANSFER_MODES = ("mask", "all")
+
+
+class RingAgreement:
+    """The call signatures every rank of one ring (or ring x Ulysses grid) has agreed on,
+    kept for one ring context: pass the same object to each :func:`ring_attention` call
+    made with that context (each rank its own object), and a call whose signature the ranks
+    agreed before skips the all-reduce, so steady-state steps make no host round-trip.
+
+    A call with a signature not yet agreed, or one whose local check failed, runs the
+    all-reduce as without this object; so the first call of each signature still fails every
+    rank in one line when one rank's call is bad. What it gives up: a later call that *one*
+    rank alone makes differently from a signature the others had agreed (they skip the
+    all-reduce and wait in the exchange, it waits in the all-reduce) is not caught in one line;
+    every rank then fails on the process group's timeout. Use it where every call under the
+    context is a function of what the ranks agreed, as in the trainer (the same model and
+    layers on every rank, the context's layout and documents agreed by its first call)."""
+
+    __slots__ = ("signatures", "agreed_calls")
+
+    def __init__(self) -> None:
+        self.signatures: set[tuple[int, ...]] = set()
+        self.agreed_calls = 0
+        """Calls that ran the all-reduce under this object (the rest skipped it)."""
+
+    def __repr__(self) -> str:
+        return (f"RingAgreement({len(self.signatures)} signatures, "
+                f"{self.agreed_calls} all-reduces)")
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Literal, get_args
 
@@ -38,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 from ringray.attention import (
     Documents,
     Layout,
+    RingAgreement,
     RingStats,
     check_documents,
     make_layout,
@@ -74,6 +75,11 @@ class RingContext:
     rope_positions: torch.Tensor | None = None
     """This rank's RoPE positions, in local order (see :meth:`for_documents`); ``None``: the
     global positions."""
+    agreement: RingAgreement | None = field(default=None, compare=False)
+    """The ring's agreement on this context's call signatures (a
+    :class:`~ringray.attention.RingAgreement` of this rank's own, passed to every layer's
+    :func:`ring_attention`): each signature is agreed across ranks once, not per layer and
+    step. ``None``: every call agrees."""
 
     @classmethod
     def for_documents(
@@ -160,7 +166,7 @@ class Attention(nn.Module):
         return ring_attention(
             q, k, v, ring.group, ulysses_group=ring.ulysses_group, layout=ring.layout,
             causal=True, backend=ring.backend, stats=ring.stats, documents=ring.documents,
-            window=self.window,
+            window=self.window, agreement=ring.agreement,
         )
 
     def project_out(self, out: torch.Tensor) -> torch.Tensor:

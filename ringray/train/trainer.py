@@ -55,7 +55,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ringray.accelerators import peak_flops_of
-from ringray.attention import Layout, RingStats, make_layout
+from ringray.attention import Layout, RingAgreement, RingStats, make_layout
 from ringray.attention.backends.common import upload
 from ringray.attention.comm import RingComm, ring_transfer_seconds
 from ringray.data import (
@@ -141,6 +141,7 @@ class Trainer:
             layout=self.layout, rank=self.mesh.cp_rank, group=self.mesh.ring_group,
             ulysses_group=self.mesh.ulysses_group,
             backend=options.parallel.attention_backend, stats=self.ring_stats,
+            agreement=RingAgreement(),
         )
         self._document_rings: OrderedDict[tuple[int, ...], RingContext] = OrderedDict()
         self.tokenizer: Tokenizer = (HFTokenizer.from_pretrained(options.pretrained)
@@ -309,6 +310,7 @@ class Trainer:
             restart_positions=self.options.data.document_positions, device=self.device,
             group=self.mesh.ring_group, ulysses_group=self.mesh.ulysses_group,
             backend=self.options.parallel.attention_backend, stats=self.ring_stats,
+            agreement=RingAgreement(),
         )
         self._document_rings[documents] = ring
         if len(self._document_rings) > DOCUMENT_RINGS_CACHED:
@@ -435,7 +437,7 @@ class Trainer:
         ring = RingContext(
             layout=layout, rank=self.mesh.cp_rank, group=self.mesh.ring_group,
             ulysses_group=self.mesh.ulysses_group,
-            backend=self.options.parallel.attention_backend,
+            backend=self.options.parallel.attention_backend, agreement=RingAgreement(),
         )
         with self._autocast():
             logits = self.model(layout.shard(tokens, self.mesh.cp_rank).to(self.device), ring)
