@@ -206,10 +206,11 @@ def main() -> None:
     if not (Path(checkpoint) / "config.json").is_file():
         parser.error(f"--checkpoint {checkpoint}: no config.json there (expected a Hugging "
                      "Face checkpoint directory, e.g. from `ringray export RUN --hf DIR`)")
-    print(f"{checkpoint}: SmolLM2-135M (trained at {TRAINED}) through a zigzag ring of {args.cp} gloo ranks "
-          f"(1 thread each), float32, forward only; lengths {args.lengths}, configs "
-          f"{args.configs}, passkey depths {args.depths} x {args.samples}, perplexity on "
-          f"{TEXT_FILE}; load average {os.getloadavg()[0]:.1f}", flush=True)
+    print(f"{checkpoint}: SmolLM2-135M (trained at {TRAINED}) through a zigzag ring of "
+          f"{args.cp} gloo ranks (1 thread each), float32, forward only; lengths "
+          f"{args.lengths}, configs {args.configs}, passkey depths {args.depths} x "
+          f"{args.samples}, perplexity on {TEXT_FILE}; load average "
+          f"{os.getloadavg()[0]:.1f}", flush=True)
     started = time.perf_counter()
     rows = run_gloo_ranks(args.cp, rank_extension, checkpoint, args.configs, args.lengths,
                           args.depths, args.samples, args.seed, args.tasks, args.json,
