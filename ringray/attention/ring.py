@@ -158,7 +158,6 @@ def ring_attention(
         agree_across_ranks(comm, checked, error, grid)
         if agreement is not None and checked is not None:
             agreement.signatures.add(checked.signature)
-            agreement.agreed_calls += 1
     if error is not None:
         raise error
     if grid is not None:  # this rank's positions, all heads -> the ring member's chunk

@@ -69,12 +69,16 @@ class RingAgreement:
     context is a function of what the ranks agreed, as in the trainer (the same model and
     layers on every rank, the context's layout and documents agreed by its first call)."""
 
-    __slots__ = ("signatures", "agreed_calls")
+    __slots__ = ("signatures",)
 
     def __init__(self) -> None:
         self.signatures: set[tuple[int, ...]] = set()
-        self.agreed_calls = 0
-        """Calls that ran the all-reduce under this object (the rest skipped it)."""
+
+    @property
+    def agreed_calls(self) -> int:
+        """Calls that ran the all-reduce under this object and passed (one per signature;
+        the rest skipped it)."""
+        return len(self.signatures)
 
     def __repr__(self) -> str:
         return (f"RingAgreement({len(self.signatures)} signatures, "
