@@ -19,8 +19,12 @@ Printed per run: each phase's highest sampled RSS over the ranks (its rank's fig
 rank's ``VmHWM`` at the end (the kernel's exact peak), the seconds to the model line, and
 the plan's per-rank peak (:func:`ringray.train.footprint.rank_footprint`, what ``ringray
 plan`` and ``ringray bench memory`` use) above the RSS of a process that has imported torch
-and ringray and nothing more. ``--repo`` runs another checkout's code (a git worktree of an
-older commit) with the same job and the same plan figure, for a before/after table.
+and ringray and nothing more. Then ``ringray export`` of the resumed run's checkpoint, one
+process, its ``VmHWM`` and seconds: with the command's default shard size and with each of
+``--export-shard-sizes`` (code that streams the export shard by shard only). Rank 0's model
+line gives the seconds the model took to build and load. ``--repo`` runs another checkout's
+code (a git worktree of an older commit) with the same job and the same plan figure, for a
+before/after table.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -254,12 +259,42 @@ def run(args: argparse.Namespace) -> dict:
         end = time.monotonic()
         phases = _phases(lines, start, end)
         built = next(at for at, text in lines if text.startswith("ringray:"))
+        model_seconds = re.search(r"(?:loaded|initialised) in ([0-9.]+) s",
+                                  next(text for _, text in lines if text.startswith("ringray:")))
         result["runs"].append({
             "label": label, "seconds_to_model": built - start,
+            "model_seconds": float(model_seconds.group(1)) if model_seconds else None,
             "phases": _phase_peaks(sampler, phases),
             "hwm_kib": dict(sorted(sampler.hwm_kib.items())),
         })
+    streams = "--max-shard-size" in (repo / "ringray/cli/export.py").read_text()
+    sizes = [None, *args.export_shard_sizes.split(",")] if streams else [None]
+    result["exports"] = [_export(repo, run_dir, Path(args.work) / "export", size)
+                         for size in sizes if size != ""]
     return result
+
+
+def _export(repo: Path, run_dir: Path, out: Path, shard_size: str | None) -> dict:
+    """``ringray export`` of the run's newest checkpoint in one process (this checkout's
+    code), its ``VmHWM`` sampled to the end; ``shard_size=None``: the command's default."""
+    subprocess.run(["rm", "-rf", str(out)], check=True)
+    args = [sys.executable, "-m", "ringray", "export", str(run_dir), "--hf", str(out)]
+    if shard_size is not None:
+        args += ["--max-shard-size", shard_size]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}
+    start = time.monotonic()
+    proc = subprocess.Popen(args, cwd=repo, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    hwm = 0
+    while proc.poll() is None:
+        hwm = max(hwm, _status_kib(proc.pid).get("VmHWM", 0))
+        time.sleep(SAMPLE_SECONDS)
+    output = proc.stdout.read()
+    if proc.returncode != 0:
+        raise SystemExit(f"export exited {proc.returncode}: {output[-2000:]}")
+    files = sorted(p.name for p in out.glob("model*.safetensors"))
+    return {"shard_size": shard_size or "default", "hwm_kib": hwm,
+            "seconds": time.monotonic() - start, "files": len(files)}
 
 
 def print_table(result: dict) -> None:
@@ -275,6 +310,12 @@ def print_table(result: dict) -> None:
         hwm = ", ".join(f"{kib / 1024:.0f}" for kib in r["hwm_kib"].values())
         print(f"| {r['label']} | VmHWM per rank | {hwm} |")
         print(f"| {r['label']} | seconds to the model line | {r['seconds_to_model']:.1f} |")
+        if r.get("model_seconds") is not None:
+            print(f"| {r['label']} | seconds building and loading the model (rank 0) "
+                  f"| {r['model_seconds']:.1f} |")
+    for e in result.get("exports", []):
+        print(f"| export, --max-shard-size {e['shard_size']} ({e['files']} files) | VmHWM "
+              f"| {e['hwm_kib'] / 1024:.0f} ({e['seconds']:.0f} s) |")
 
 
 def main() -> None:
@@ -294,6 +335,8 @@ def main() -> None:
     measure.add_argument("--repo", default=str(ROOT), help="the checkout whose code runs")
     measure.add_argument("--work", default="/tmp/ringray-rank-memory")
     measure.add_argument("--json", help="also write the figures here")
+    measure.add_argument("--export-shard-sizes", default="200MB",
+                         help="besides the default, export with these --max-shard-size values")
     measure.add_argument("--max-total-gib", type=float, default=16.0,
                          help="stop the job when its ranks' RSS adds up to more")
     args = parser.parse_args()

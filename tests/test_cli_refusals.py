@@ -128,3 +128,14 @@ def test_an_export_onto_a_file_names_it(tmp_path: Path, monkeypatch) -> None:
     result = CliRunner().invoke(app, ["export", str(run_dir), "--hf", f"{target}/out"])
     assert result.exit_code == 2
     assert f"cannot be created: {target} is a file" in _one_line(result.output)
+
+
+def test_an_export_shard_size_that_is_not_a_size_is_refused_in_one_line(tmp_path: Path) -> None:
+    for bad, why in (("5XB", "is not a size"), ("0", "must be at least 1 byte"),
+                     ("-1GB", "is not a size")):
+        result = CliRunner().invoke(app, ["export", str(tmp_path / "run"), "--hf",
+                                          str(tmp_path / "out"), "--max-shard-size", bad])
+        assert result.exit_code == 2, result.output
+        line = _one_line(result.output)
+        assert line.startswith(f"error: --max-shard-size: '{bad}' {why}"), line
+    assert not (tmp_path / "out").exists()  # refused before anything is read or written

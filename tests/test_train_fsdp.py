@@ -172,7 +172,8 @@ def test_checkpoints_reshard_between_fsdp_and_replicated(tmp_path: Path) -> None
     step 5; a replicated cp 2 run's step-3 checkpoint continues under FSDP dp 1 × cp 2. Each
     ends where the uninterrupted FSDP dp 2 × cp 2 run does: the same losses for steps 4 and
     5 and the same weights (1e-5). Then `ringray export` writes the uninterrupted run's
-    FSDP-written checkpoint, read in this one process, as those weights."""
+    FSDP-written checkpoint, read in this one process, as those weights: in one file, and
+    streamed shard by shard into many."""
     base = tiny_options("", parallel={"dp": 2, "cp": 2, "fsdp": True},
                         train={"steps": 5, "global_batch": 4}, checkpoint={"interval": 3})
     straight = replace(base, run_dir=str(tmp_path / "straight"))
@@ -209,6 +210,12 @@ def test_checkpoints_reshard_between_fsdp_and_replicated(tmp_path: Path) -> None
     ref = export_hf(straight, str(out))
     assert ref.step == 5
     exported = dict(load_pretrained(out).named_parameters())
+    # The same, streamed in shards of 20 kB (read and written one shard at a time).
+    sharded_out = tmp_path / "exported-in-shards"
+    export_hf(straight, str(sharded_out), max_shard_bytes=20_000)
+    assert len(list(sharded_out.glob("model-*-of-*.safetensors"))) > 3
+    in_shards = dict(load_pretrained(sharded_out).named_parameters())
     for name, want in want_weights.items():
         torch.testing.assert_close(alone[name], want, atol=0, rtol=0, msg=name)
         torch.testing.assert_close(exported[name].detach(), want, atol=0, rtol=0, msg=name)
+        torch.testing.assert_close(in_shards[name].detach(), want, atol=0, rtol=0, msg=name)

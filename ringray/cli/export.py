@@ -2,12 +2,31 @@
 
 from __future__ import annotations
 
+import re
+
 import typer
 from rich.console import Console
 
 from ringray.cli.common import err, fail, load_run
 
 _DTYPES = ("float32", "bfloat16", "float16")
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(field: str, text: str) -> int:
+    """Bytes from ``5GB``, ``500MB``, ``2GiB`` or a plain count (as transformers'
+    ``max_shard_size`` reads them: GB is 10**9 bytes, GiB 2**30); raises ``ValueError``
+    naming ``field``."""
+    match = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]I?B|B)?", text.strip().upper())
+    if match is None:
+        raise ValueError(f"{field}: {text!r} is not a size; use bytes or a number with "
+                         f"KB, MB, GB (10**3 steps) or KiB, MiB, GiB (2**10 steps), "
+                         f"e.g. 5GB")
+    size = float(match.group(1)) * _SIZE_UNITS[match.group(2) or ""]
+    if size < 1:
+        raise ValueError(f"{field}: {text!r} must be at least 1 byte")
+    return int(size)
 
 
 def export(
@@ -20,6 +39,10 @@ def export(
                                     help="The checkpoint's step; default: the newest."),
     dtype: str = typer.Option("float32", "--dtype",
                               help="Weights' dtype: float32 (as trained), bfloat16, float16."),
+    max_shard_size: str = typer.Option(
+        "5GB", "--max-shard-size", metavar="SIZE",
+        help="Largest safetensors file (e.g. 5GB, 500MB, 2GiB). The export holds one file's "
+             "tensors in memory at a time, not the model."),
 ) -> None:
     """Write a run's checkpoint (replicated or sharded) as a Hugging Face checkpoint that
     transformers.AutoModelForCausalLM.from_pretrained loads.
@@ -35,6 +58,10 @@ def export(
 
     if dtype not in _DTYPES:
         fail(f"--dtype: {dtype!r} is not one of {', '.join(_DTYPES)}")
+    try:
+        shard_bytes = parse_size("--max-shard-size", max_shard_size)
+    except ValueError as exc:
+        fail(str(exc))
     if "://" not in hf:
         try:
             _check_output_dir("--hf", hf)
@@ -43,7 +70,8 @@ def export(
     options = load_run(run, [], check_paths=False).train_options()
     try:
         with err.status("exporting..."):
-            ref = export_hf(options, hf, step=step, dtype=getattr(torch, dtype))
+            ref = export_hf(options, hf, step=step, dtype=getattr(torch, dtype),
+                            max_shard_bytes=shard_bytes)
     except OSError as exc:  # "[Errno 17] File exists" alone names neither path nor problem
         fail(f"{exc.filename or hf}: {exc.strerror or exc}")
     except (CheckpointError, ValueError) as exc:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import fsspec
 import torch
@@ -447,19 +447,34 @@ def save_hf_checkpoint(
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     config_overrides: Mapping[str, object] | None = None,
+    load: Callable[[list[str]], Mapping[str, torch.Tensor]] | None = None,
 ) -> None:
     """:func:`save_pretrained` from a state dict by our parameter names: a model's, or the
     full (gathered, plain-tensor) state dict of an FSDP-sharded one, on the rank that
-    writes. Extra entries (a tied ``output.weight``) are ignored."""
+    writes. Extra entries (a tied ``output.weight``) are ignored.
+
+    ``load``: stream the weights one safetensors shard at a time. ``state_dict`` then only
+    gives shapes and dtypes (meta tensors), and ``load(names)`` returns those parameters'
+    tensors by our names; what is held at once is one shard (``max_shard_bytes``), not the
+    model (``ringray export`` reads a checkpoint this way)."""
     names = hf_parameter_names(config)
     missing = [name for name in names if name not in state_dict]
     if missing:
         raise ValueError(f"state_dict: {missing[0]} is missing ({len(missing)} in all)")
-    tensors = {hf_name: state_dict[name].detach().to("cpu", dtype or state_dict[name].dtype)
-               for name, hf_name in names.items()}
+    ours = {hf_name: name for name, hf_name in names.items()}
+    saved_dtype = dtype or state_dict[next(iter(names))].dtype
+    shapes = {hf_name: torch.empty(state_dict[name].shape, device="meta",
+                                   dtype=dtype or state_dict[name].dtype)
+              for name, hf_name in names.items()}
+
+    def shard(hf_names: list[str]) -> dict[str, torch.Tensor]:
+        part = (load([ours[n] for n in hf_names]) if load is not None
+                else {ours[n]: state_dict[ours[n]] for n in hf_names})
+        return {n: part[ours[n]].detach().to("cpu", dtype or part[ours[n]].dtype)
+                for n in hf_names}
+
     base = read_json(join(source, "config.json")) if source is not None else None
-    saved_dtype = dtype or next(iter(tensors.values())).dtype
-    write_safetensors(tensors, path, max_shard_bytes=max_shard_bytes)
+    write_safetensors(shapes, path, max_shard_bytes=max_shard_bytes, load=shard)
     hf_config = config_to_hf(config, base=base, dtype=saved_dtype)
     hf_config.update(config_overrides or {})
     fs, root = fsspec.core.url_to_fs(path)

@@ -19,7 +19,7 @@ import json
 import math
 import posixpath
 import struct
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import fsspec
@@ -231,11 +231,17 @@ class SafetensorsCheckpoint:
 
 
 def write_safetensors(
-    tensors: Mapping[str, torch.Tensor], root: str, *, max_shard_bytes: int
+    tensors: Mapping[str, torch.Tensor], root: str, *, max_shard_bytes: int,
+    load: Callable[[list[str]], Mapping[str, torch.Tensor]] | None = None,
 ) -> list[str]:
     """Write ``tensors`` under ``root``: one ``model.safetensors`` when they fit in
     ``max_shard_bytes``, else ``model-0000i-of-0000n.safetensors`` shards (in the order given,
     none over the limit unless one tensor is) and ``model.safetensors.index.json``.
+
+    ``load``: the tensors are read shard by shard. ``tensors`` then only gives each one's
+    shape and dtype (meta tensors will do), and ``load(names)`` returns one shard's tensors,
+    which are written and dropped before the next shard is read: the bytes held at once are
+    one shard's, not the checkpoint's.
 
     Earlier ``model*.safetensors`` files and index under ``root`` are removed first, so a
     reader never mixes two saves. Returns the file names written.
@@ -246,30 +252,39 @@ def write_safetensors(
     fs.makedirs(path, exist_ok=True)
     for stale in fs.glob(f"{path.rstrip('/')}/model*.safetensors*"):
         fs.rm(stale)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    shard_bytes = 0
-    for name, tensor in tensors.items():
-        size = tensor.numel() * tensor.element_size()
-        if shards[-1] and shard_bytes + size > max_shard_bytes:
-            shards.append({})
-            shard_bytes = 0
-        shards[-1][name] = tensor
-        shard_bytes += size
+    sizes = {name: tensor.numel() * tensor.element_size() for name, tensor in tensors.items()}
+    shards = shard_names(sizes, max_shard_bytes)
     count = len(shards)
     names = ([SINGLE_FILE] if count == 1 else
              [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)])
     for file, shard in zip(names, shards, strict=True):
+        part = load(shard) if load is not None else {n: tensors[n] for n in shard}
         data = safetensors.torch.save(
-            {n: t.detach().contiguous() for n, t in shard.items()}, metadata={"format": "pt"}
+            {n: part[n].detach().contiguous() for n in shard}, metadata={"format": "pt"}
         )
+        del part
         with fs.open(f"{path.rstrip('/')}/{file}", "wb") as f:
             f.write(data)
+        del data
     if count > 1:
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        index = {"metadata": {"total_size": total},
+        index = {"metadata": {"total_size": sum(sizes.values())},
                  "weight_map": {n: file for file, shard in zip(names, shards, strict=True)
                                 for n in shard}}
         with fs.open(f"{path.rstrip('/')}/{INDEX_FILE}", "w") as f:
             json.dump(index, f, indent=2, sort_keys=True)
         names.append(INDEX_FILE)
     return names
+
+
+def shard_names(sizes: Mapping[str, int], max_shard_bytes: int) -> list[list[str]]:
+    """Tensor names (in the order given) cut into shards of at most ``max_shard_bytes``
+    (one tensor larger than that is a shard of its own)."""
+    shards: list[list[str]] = [[]]
+    shard_bytes = 0
+    for name, size in sizes.items():
+        if shards[-1] and shard_bytes + size > max_shard_bytes:
+            shards.append([])
+            shard_bytes = 0
+        shards[-1].append(name)
+        shard_bytes += size
+    return shards

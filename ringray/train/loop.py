@@ -87,7 +87,9 @@ def _run(options: TrainOptions, run_dir: RunDirectory | None, *, stop_after: int
     session = TrainingSession(options, run)
     shape, train = session.trainer.mesh.shape, options.train
     say(
-        f"ringray: {options.model.num_params() / 1e6:.2f}M-parameter model, "
+        f"ringray: {options.model.num_params() / 1e6:.2f}M-parameter model (built and "
+        f"{'loaded' if options.pretrained else 'initialised'} in "
+        f"{session.trainer.model_seconds:.1f} s), "
         f"dp={shape.dp} × cp={shape.cp} ({options.layout_kind}), seq {train.seq_len}, "
         f"global batch {train.global_batch}, {train.steps} steps, device "
         f"{session.trainer.device}"

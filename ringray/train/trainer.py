@@ -171,7 +171,10 @@ class Trainer:
         # With FSDP over more than one rank, FSDP's mixed precision gathers bf16 weights, so
         # there is nothing for autocast to cast; with one rank there is nothing to shard.
         self.sharded = options.parallel.fsdp and self.mesh.distributed
+        built = time.perf_counter()
         self.model = self._make_model()
+        # Seconds to build the model and give this rank its weights (fresh or read).
+        self.model_seconds = time.perf_counter() - built
         self.autocast_dtype = None if self.sharded else self.compute_dtype
         self.optimizer = self._make_optimizer()
         self.step_count = 0

@@ -1,0 +1,88 @@
+"""``ringray export`` holds one safetensors shard at a time, not the model (issue 25: every
+phase of a large job counts, the export included).
+
+A 128 MB float32 model is checkpointed by :class:`CheckpointStore` in one fresh process and
+exported by :func:`export_hf` in another, with 8 MB shards. The export's peak resident memory
+(``VmHWM``) above what the process held once torch, ringray and what building a model imports
+were loaded must stay under half the model: a reader that materialised the model first would
+need all of it (and its serialised bytes besides). The files must also be the model: every
+tensor equal, read back by transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_CHILD = r"""
+import json, re, sys
+from dataclasses import replace
+sys.path.insert(0, {root!r})
+import torch
+from tests.train_cases import tiny_options
+from ringray.model import Transformer
+from ringray.train import CheckpointStore
+from ringray.train.export import export_hf
+
+def rss(field):
+    return int(re.search(field + r":\s+(\d+)", open("/proc/self/status").read()).group(1))
+
+options = tiny_options({run!r})
+options = replace(options, model=replace(options.model, dim=512, n_layers=8, n_heads=8,
+                                         n_kv_heads=8, ffn_hidden=1536, vocab_size=8192))
+if sys.argv[1] == "save":
+    torch.manual_seed(0)
+    model = Transformer(options.model)
+    CheckpointStore(options.checkpoint_location).save(1, {{"model": model.state_dict()}}, keep=1)
+    torch.save({{n: p.detach() for n, p in model.named_parameters()}}, {weights!r})
+    print(json.dumps({{"bytes": sum(p.numel() * 4 for p in model.parameters())}}))
+else:
+    with torch.device("meta"):  # what building any model imports (Triton: ~100 MB)
+        Transformer(options.model)
+    base = rss("VmRSS")
+    export_hf(options, {out!r}, max_shard_bytes=8 * 10**6)
+    print(json.dumps({{"base_kib": base, "hwm_kib": rss("VmHWM")}}))
+"""
+
+
+def _child(tmp_path: Path, mode: str) -> dict:
+    script = _CHILD.format(root=str(ROOT), run=str(tmp_path / "run"),
+                           weights=str(tmp_path / "weights.pt"), out=str(tmp_path / "hf"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_export_holds_one_shard_not_the_model(tmp_path: Path) -> None:
+    model_bytes = _child(tmp_path, "save")["bytes"]
+    assert model_bytes > 120 * 10**6  # the model the bound below is measured against
+    measured = _child(tmp_path, "export")
+    grew = (measured["hwm_kib"] - measured["base_kib"]) * 1024
+    assert grew < model_bytes / 2, (grew, model_bytes)
+
+    out = tmp_path / "hf"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 10
+    tensors_in = {f: sum(v == f for v in index["weight_map"].values()) for f in files}
+    for f in files:  # at most 8 MB (+ the header), unless one tensor is larger by itself
+        assert (out / f).stat().st_size <= 8 * 10**6 + 10**5 or tensors_in[f] == 1, f
+    transformers = pytest.importorskip("transformers")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    hf = dict(loaded.named_parameters())
+    want = torch.load(tmp_path / "weights.pt")
+    assert torch.equal(hf["model.embed_tokens.weight"], want["tok_embeddings.weight"])
+    assert torch.equal(hf["model.norm.weight"], want["norm.weight"])
+    assert torch.equal(hf["model.layers.7.mlp.down_proj.weight"],
+                       want["layers.7.feed_forward.w2.weight"])
+    assert sum(t.numel() for t in hf.values()) * 4 == model_bytes
