@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from ringray.spec import load_job_spec
+from ringray.spec.run_spec import load_run_spec
 from ringray.train import StepStats
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,6 +64,9 @@ def test_a_short_job_writes_its_run_directory_and_resumes(tmp_path: Path) -> Non
     ]
     passkey = json.loads((run_dir / "passkey.json").read_text())
     assert passkey  # the report's JSON form, written by rank 0
+    # job.yaml, as `ringray train` writes it: `ringray export` and `resume` read the run.
+    recorded = load_run_spec(run_dir).train_options()
+    assert (recorded.run_dir, recorded.train.steps, recorded.parallel.cp) == (str(run_dir), 3, 2)
 
     again = _train(2, *_small_job(run_dir), "train.steps=4")
     assert again.returncode == 0, again.stderr[-3000:]

@@ -11,12 +11,15 @@
 - :mod:`~ringray.spec.load`: YAML, ``--set`` overrides, this machine's paths.
 - :mod:`~ringray.spec.errors`: the strict YAML reader and one-line error messages.
 - :mod:`~ringray.spec.reference`: the job file reference (``docs/job-file.md``), generated.
+- :mod:`~ringray.spec.run_spec`: a run's ``job.yaml``, written once its job has started and
+  read back wherever the run directory is now.
 
 Only the command line and the entry points (``ringray``, ``python -m ringray.train``) import
 this package; the trainer, the model and the attention code take plain options.
 """
 
 from ringray.spec.load import apply_overrides, check_local_paths, load_job_spec, parse_job_spec
+from ringray.spec.run_spec import load_run_spec, write_run_spec
 from ringray.spec.schema import JobSpec, JobSpecError
 
 __all__ = [
@@ -25,5 +28,7 @@ __all__ = [
     "apply_overrides",
     "check_local_paths",
     "load_job_spec",
+    "load_run_spec",
     "parse_job_spec",
+    "write_run_spec",
 ]

@@ -1,7 +1,9 @@
 """``python -m ringray.train --config FILE [--set section.key=value ...]``
 
 Runs one training job from a job spec, in this process or, under
-``torchrun --nproc-per-node N``, on N ranks (gloo on CPU, NCCL on CUDA). This entry point is
+``torchrun --nproc-per-node N``, on N ranks (gloo on CPU, NCCL on CUDA). Once the job has
+started, rank 0 writes the run's ``job.yaml`` as ``ringray train`` does, so that ``ringray
+export RUN`` and ``ringray resume RUN`` read a run trained this way too. This entry point is
 the edge where the validated spec (``ringray.spec``) meets the trainer: the one import of
 the spec inside ``ringray.train``, allowed by name in the layer contracts of pyproject.toml.
 The trainer itself takes plain options.
@@ -54,8 +56,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {args.config}:\n{exc}", file=sys.stderr)
         return 2
     _init_distributed()
+    options = spec.train_options()
+
+    def write_job_file() -> None:  # as `ringray train` does, once the job has started
+        from ringray.spec import write_run_spec
+
+        try:
+            write_run_spec(spec, run_dir=options.run_dir)
+        except OSError as exc:
+            print(f"warning: cannot write {options.run_dir}/job.yaml ({exc.strerror}); "
+                  f"`ringray export` and `ringray resume` need it", flush=True)
+
     try:
-        run_training(spec.train_options(), log=lambda line: print(line, flush=True))
+        run_training(options, log=lambda line: print(line, flush=True),
+                     on_start=write_job_file)
     except ValueError as exc:  # options that do not fit the world, found before training
         if is_rank0:
             print(f"error: {exc}", file=sys.stderr)

@@ -54,6 +54,7 @@ def run_training(
     *,
     stop_after: int | None = None,
     log: Log = print,
+    on_start: Callable[[], None] | None = None,
 ) -> RunResult:
     """Train to ``train.steps`` (or stop after step ``stop_after``, as an interrupted run
     would), checkpointing every ``checkpoint.interval`` steps and at the end.
@@ -62,6 +63,10 @@ def run_training(
     lineage at the checkpoint location (``checkpoint.resume``), falling back past corrupt
     checkpoints, or starts a new lineage (refused if another run's checkpoints are there,
     unless ``checkpoint.move_aside``).
+
+    ``on_start`` is called on rank 0 once the job has started (the trainer is built, nothing
+    was refused), before any checkpoint is restored: ``python -m ringray.train`` writes the
+    run's job.yaml there, so that ``ringray export`` and ``ringray resume`` read the run.
     """
     writer = is_rank0()
     run_dir = RunDirectory(options.run_dir, job=Path(options.run_dir).name)
@@ -70,14 +75,15 @@ def run_training(
     if note:
         say(note)
     try:
-        return _run(options, run_dir if writer else None, stop_after=stop_after, say=say)
+        return _run(options, run_dir if writer else None, stop_after=stop_after, say=say,
+                    on_start=on_start if writer else None)
     finally:
         if writer:
             run_dir.close()
 
 
 def _run(options: TrainOptions, run_dir: RunDirectory | None, *, stop_after: int | None,
-         say: Log) -> RunResult:
+         say: Log, on_start: Callable[[], None] | None) -> RunResult:
     run = on_rank0(lambda: plan_session(options))
     if run.moved_aside_to:
         say(f"moved the earlier run's checkpoints aside to {run.moved_aside_to}")
@@ -94,6 +100,8 @@ def _run(options: TrainOptions, run_dir: RunDirectory | None, *, stop_after: int
         f"global batch {train.global_batch}, {train.steps} steps, device "
         f"{session.trainer.device}"
     )
+    if on_start is not None:
+        on_start()
 
     restored = session.restore(
         on_refused=lambda why: say(f"refused {why}; falling back to the previous checkpoint"))
