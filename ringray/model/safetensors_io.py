@@ -259,13 +259,16 @@ def write_safetensors(
              [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)])
     for file, shard in zip(names, shards, strict=True):
         part = load(shard) if load is not None else {n: tensors[n] for n in shard}
-        data = safetensors.torch.save(
-            {n: part[n].detach().contiguous() for n in shard}, metadata={"format": "pt"}
-        )
+        part = {n: part[n].detach().contiguous() for n in shard}
+        target = f"{path.rstrip('/')}/{file}"
+        if isinstance(fs, LocalFileSystem):  # written from the tensors' memory, no copy
+            safetensors.torch.save_file(part, target, metadata={"format": "pt"})
+        else:  # the file's bytes are built in memory, then uploaded
+            data = safetensors.torch.save(part, metadata={"format": "pt"})
+            with fs.open(target, "wb") as f:
+                f.write(data)
+            del data
         del part
-        with fs.open(f"{path.rstrip('/')}/{file}", "wb") as f:
-            f.write(data)
-        del data
     if count > 1:
         index = {"metadata": {"total_size": sum(sizes.values())},
                  "weight_map": {n: file for file, shard in zip(names, shards, strict=True)
