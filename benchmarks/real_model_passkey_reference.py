@@ -10,6 +10,11 @@ same seed, so the same keys as the extension benchmark draws for the same grid);
 prediction is the argmax of ``LlamaForCausalLM`` (transformers, SDPA attention, float32, one
 process) with ``rope_parameters`` set from the configuration as transformers spells it, and
 ``max_position_embeddings`` raised to the length.
+
+``--preamble`` puts the classic passkey test's opening ("There is an important info hidden
+inside a lot of irrelevant text. Find it and memorize them. ...") over the first filler
+tokens of each sample (same length, same needle and question), to see whether the prompt's
+missing instruction is what a miss comes from.
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ from ringray.model.gguf_import import cached_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from real_model_extension import TRAINED, parse_config  # noqa: E402
+
+PREAMBLE = ("There is an important info hidden inside a lot of irrelevant text. Find it and "
+            "memorize them. I will quiz you about the important information there. ")
 
 
 def hf_model(checkpoint: Path, kind: str, factor: float, length: int):
@@ -55,6 +63,8 @@ def main() -> None:
     parser.add_argument("--depths", type=float, nargs="+", default=[0.1])
     parser.add_argument("--samples", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--preamble", action="store_true",
+                        help="open each sample with the classic test's instruction")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -64,7 +74,12 @@ def main() -> None:
     model = hf_model(checkpoint, kind, factor, args.length)
     seconds: list[float] = []
 
+    opening = torch.tensor(tokenizer.encode(PREAMBLE)) if args.preamble else None
+
     def predict(tokens: torch.Tensor) -> torch.Tensor:
+        if opening is not None:  # over the first filler tokens: same length, same needle
+            tokens = tokens.clone()
+            tokens[:, :len(opening)] = opening
         started = time.perf_counter()
         with torch.inference_mode():
             logits = model(input_ids=tokens).logits
