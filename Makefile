@@ -66,7 +66,7 @@ prometheus:
 		(service prometheus stop >/dev/null 2>&1 || true); \
 	fi
 
-## CI's command: everything but the `slow`-marked end-to-end runs (16-18 minutes on 2 cores).
+## CI's command: everything but the `slow`-marked end-to-end runs (19-20 minutes on 2 cores).
 test: lint prometheus
 	$(PY) -m pytest -q -m "not slow"
 
