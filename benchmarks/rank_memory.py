@@ -258,9 +258,9 @@ def run(args: argparse.Namespace) -> dict:
             raise SystemExit(f"{label}: torchrun exited {code}")
         end = time.monotonic()
         phases = _phases(lines, start, end)
-        built = next(at for at, text in lines if text.startswith("ringray:"))
-        model_seconds = re.search(r"(?:loaded|initialised) in ([0-9.]+) s",
-                                  next(text for _, text in lines if text.startswith("ringray:")))
+        built, model_line = next((at, text) for at, text in lines
+                                 if text.startswith("ringray:"))
+        model_seconds = re.search(r"(?:loaded|initialised) in ([0-9.]+) s", model_line)
         result["runs"].append({
             "label": label, "seconds_to_model": built - start,
             "model_seconds": float(model_seconds.group(1)) if model_seconds else None,

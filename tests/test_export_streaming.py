@@ -1,7 +1,7 @@
 """``ringray export`` holds one safetensors shard at a time, not the model (issue 25: every
 phase of a large job counts, the export included).
 
-A 128 MB float32 model is checkpointed by :class:`CheckpointStore` in one fresh process and
+A 143 MB float32 model is checkpointed by :class:`CheckpointStore` in one fresh process and
 exported by :func:`export_hf` in another, with 8 MB shards. The export's peak resident memory
 (``VmHWM``) above what the process held once torch, ringray and what building a model imports
 were loaded must stay under half the model: a reader that materialised the model first would

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     is_rank0 = int(os.environ.get("RANK", "0")) == 0
 
-    from ringray.spec import JobSpecError, load_job_spec
+    from ringray.spec import JobSpecError, load_job_spec, write_run_spec
     from ringray.train.loop import run_training
 
     try:
@@ -59,8 +59,6 @@ def main(argv: list[str] | None = None) -> int:
     options = spec.train_options()
 
     def write_job_file() -> None:  # as `ringray train` does, once the job has started
-        from ringray.spec import write_run_spec
-
         try:
             write_run_spec(spec, run_dir=options.run_dir)
         except OSError as exc:
