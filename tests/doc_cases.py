@@ -33,11 +33,13 @@ DOCUMENT_SETS = {
     "edge": [119, 1],  # a length-1 document last
 }
 # Mixes where most K/V transfers are skipped, for rings of 4 and 8 (256 tokens: 2N divides
-# it): many short documents (1 to 11 tokens, a rank holds 32 or 64), and a long tail, two
-# documents longer than a rank's share among short ones.
+# it): many short documents (1 to 11 tokens, a rank holds 32 or 64), a long tail, two
+# documents longer than a rank's share among short ones, and one heavy document with most
+# of the work (the ``whole`` layout builds its runs construction for it over 4 and 8 ranks).
 SKIP_DOCUMENT_SETS = {
     "short": [1, 5, 11, 3, 8, 2, 9, 4, 7, 1, 10, 6] * 3 + [1, 5, 11, 3, 8, 2, 9, 4, 7, 5],
     "long-tail": [3, 1, 70, 4, 6, 2, 5, 1, 7, 2, 3, 90, 4, 1, 8, 2, 6, 3, 5, 33],
+    "one-heavy": [1, 40, 3, 20, 4, 2, 4, 9, 6, 12, 6, 118, 12, 5, 9, 2, 3],
 }
 LAYOUTS = ("contiguous", "zigzag", "striped", "balanced", "random")
 # Triton's interpreter costs about 5 ms per program: its cases use fewer, smaller heads.

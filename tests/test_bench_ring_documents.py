@@ -30,12 +30,26 @@ def test_lognormal_and_fixed_mixes():
     assert 400 < statistics.mean(lengths[:-1]) < 640  # seeded; mean near 512
     assert lengths == document_lengths("lognormal:512", 1 << 18)
     assert document_lengths("fixed:1000", 2500) == [1000, 1000, 500]
+    assert document_lengths("lognormal:512:1", 1 << 16) == document_lengths("lognormal:512",
+                                                                            1 << 16)
+
+
+def test_long_tail_mix():
+    """``lognormal:1024:2``, the benchmark's long-tail mix: at 64k a few documents longer
+    than a rank's share over 8 ranks (8192 tokens) among many short ones."""
+    lengths = document_lengths("lognormal:1024:2", 1 << 16)
+    assert sum(lengths) == 1 << 16
+    assert 1 <= sum(n > 8192 for n in lengths) <= 3
+    assert statistics.median(lengths) < 300 and len(lengths) > 50
 
 
 @pytest.mark.parametrize(("spec", "message"), [
-    ("zipf", "--documents: unknown spec 'zipf'; valid: stdlib, lognormal:MEAN, fixed:LEN"),
+    ("zipf",
+     "--documents: unknown spec 'zipf'; valid: stdlib, lognormal:MEAN[:SIGMA], fixed:LEN"),
     ("fixed:0", "--documents: 'fixed:0': LEN must be a whole number of tokens >= 1"),
     ("lognormal:big", "--documents: 'lognormal:big': MEAN must be a number of tokens >= 1"),
+    ("lognormal:512:wide",
+     "--documents: 'lognormal:512:wide': SIGMA must be a number in (0, 4], e.g. lognormal:512:2"),
 ])
 def test_bad_specs_fail_with_one_line(spec, message):
     result = CliRunner().invoke(app, ["bench", "ring", "--documents", spec])

@@ -111,7 +111,8 @@ def test_plan_documents_on_the_command_line():
                                  "--documents", "zipf:2"])
     assert result.exit_code == 2
     assert result.output.strip().splitlines() == [
-        "error: --documents: unknown spec 'zipf:2'; valid: stdlib, lognormal:MEAN, fixed:LEN"]
+        "error: --documents: unknown spec 'zipf:2'; valid: stdlib, lognormal:MEAN[:SIGMA], "
+        "fixed:LEN"]
     result = runner.invoke(app, ["plan", "jobs/quickstart.yaml", "--cluster", "1x8xH100",
                                  "--set", "data.documents=true", "--set", "parallel.layout=auto"])
     assert result.exit_code == 0, result.output

@@ -15,8 +15,8 @@ Built in: ``contiguous`` (rank r holds one slice), ``zigzag`` (2N chunks, rank r
 chunks r and 2N-1-r, as in ring-flash-attn, Megatron and TransformerEngine), ``striped``
 (token t on rank t mod N, as in the Striped Attention paper), ``balanced`` (for packed
 documents: equal tokens and near-equal work under the document mask for any document
-lengths, see :mod:`.balance`), ``whole`` (the same work equality, keeping each document on
-as few ranks as the shares allow, so that fewer keys travel: :mod:`.balance`), and any
+lengths, see :mod:`.balance`), ``whole`` (the same work equality, keeping documents on as
+few ranks as it can, so that fewer keys travel: :mod:`.balance`), and any
 explicit permutation given as one position list per rank. Every layout is exact with
 documents; ``balanced`` and ``whole`` are the ones that also balance them:
 
@@ -46,7 +46,7 @@ from functools import cached_property, lru_cache
 
 import torch
 
-from ringray.attention.balance import balanced_ranges
+from ringray.attention.balance import balanced_ranges, whole_ranges
 from ringray.attention.documents import Documents, check_documents
 
 # The layouts a job spec may name (each works for any document lengths).
@@ -299,7 +299,8 @@ def _check_divisible(kind: str, world_size: int, seq_len: int) -> None:
 
 @lru_cache(maxsize=16)  # documents change every batch; the last few are reused by the ring
 def _balanced(world_size: int, seq_len: int, documents: Documents, kind: str) -> Layout:
-    ranges = balanced_ranges(world_size, seq_len, documents, spread=kind == "balanced")
+    ranges = (balanced_ranges(world_size, seq_len, documents) if kind == "balanced"
+              else whole_ranges(world_size, seq_len, documents))
     pos = torch.tensor([[p for start, end in rank for p in range(start, end)]
                         for rank in ranges], dtype=torch.int64)
     runs = []

@@ -24,7 +24,7 @@ Reported per layout:
 - ``work_efficiency`` = sum of the ranks' compute ÷ the single-process SDPA compute
   (1.0 = the ring does no more work than one fused call on the whole sequence).
 
-With packed documents (``documents="stdlib"``, ``"lognormal:MEAN"`` or ``"fixed:LEN"``, see
+With packed documents (``documents="stdlib"``, ``"lognormal:MEAN[:SIGMA]"`` or ``"fixed:LEN"``, see
 :func:`document_lengths`) attention is confined to each document, the theoretical imbalance
 counts the pairs visible under the document mask
 (:func:`~ringray.attention.document_work`), and the single-process ideal is one SDPA call

@@ -333,7 +333,7 @@ def _step_plan(inputs: PlanInputs, cluster: ClusterShape) -> tuple[tuple[MaskLin
     if not masked:
         if inputs.packs_documents:
             return (), ("the job packs documents (data.documents); give --documents SPEC "
-                        "(stdlib, lognormal:MEAN or fixed:LEN) to plan its steps by a mix")
+                        "(stdlib, lognormal:MEAN[:SIGMA] or fixed:LEN) to plan its steps by a mix")
         return (), ""
     if inputs.seq_len * inputs.ring_size > MAX_WALKED_POSITIONS:
         return (), (f"not walked: seq {inputs.seq_len} over a ring of {inputs.ring_size} is "
@@ -374,7 +374,7 @@ def _remedies(inputs: PlanInputs, cluster: ClusterShape) -> str:
 def plan_job(options: TrainOptions, cluster: ClusterShape, *, name: str,
              documents: str | None = None) -> PlanReport:
     """:func:`plan` for a job's training options (``name``: the job's, for the report;
-    ``documents``: a mix to plan the ring's steps by, ``stdlib``, ``lognormal:MEAN`` or
+    ``documents``: a mix to plan the ring's steps by, ``stdlib``, ``lognormal:MEAN[:SIGMA]`` or
     ``fixed:LEN``)."""
     inputs = PlanInputs.from_options(options, cluster, name=name)
     if documents is not None:

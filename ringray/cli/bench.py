@@ -35,7 +35,7 @@ def bench_ring(
     documents: str = typer.Option(None, "--documents", metavar="SPEC",
                                   help="Pack documents into the sequence and mask attention "
                                   "to each: stdlib (the standard library's files), "
-                                  "lognormal:MEAN or fixed:LEN."),
+                                  "lognormal:MEAN[:SIGMA] or fixed:LEN."),
     transfers: str = typer.Option(
         "mask", "--transfers",
         help="Comma-separated transfer modes, each run per layout side by side: mask (only "

@@ -32,7 +32,7 @@ def plan(
     documents: str | None = typer.Option(
         None, "--documents", metavar="SPEC",
         help="Plan the ring's steps for packed documents of this mix: stdlib, "
-        "lognormal:MEAN or fixed:LEN (one sequence's lengths)."),
+        "lognormal:MEAN[:SIGMA] or fixed:LEN (one sequence's lengths)."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
 ) -> None:
     """Will a job fit its cluster? Memory, ring overlap, Ulysses, recommended cp, verdict.

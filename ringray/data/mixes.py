@@ -3,6 +3,7 @@ plan (``ringray bench ring --documents``, ``ringray plan --documents``).
 
     document_lengths("stdlib", 16384)        # [5218, 4681, 3389, 2675, 227, 97, 97]
     document_lengths("lognormal:512", 8192)  # lengths drawn (seed 0), mean 512
+    document_lengths("lognormal:1024:2", 65536)  # a long tail: median 164, longest 18892
     document_lengths("fixed:1000", 2500)     # [1000, 1000, 500]
 """
 
@@ -12,8 +13,8 @@ import itertools
 import math
 import random
 
-DOCUMENT_SPECS = ("stdlib", "lognormal:MEAN", "fixed:LEN")
-LOGNORMAL_SIGMA = 1.0  # spread of the lognormal document lengths (natural-log units)
+DOCUMENT_SPECS = ("stdlib", "lognormal:MEAN[:SIGMA]", "fixed:LEN")
+LOGNORMAL_SIGMA = 1.0  # default spread of the lognormal document lengths (natural-log units)
 
 
 def document_lengths(spec: str, seq_len: int) -> list[int]:
@@ -22,10 +23,21 @@ def document_lengths(spec: str, seq_len: int) -> list[int]:
     ``stdlib``: the standard-library corpus (:class:`ringray.data.StdlibSource`) in its own
     order; with the byte tokenizer a document's token count is its byte length.
     ``lognormal:MEAN``: lengths drawn (seed 0) from a lognormal of mean ``MEAN`` tokens and
-    sigma :data:`LOGNORMAL_SIGMA`. ``fixed:LEN``: every document ``LEN`` tokens. Raises
-    ``ValueError("documents: ...")`` on a bad spec.
+    sigma :data:`LOGNORMAL_SIGMA`; ``lognormal:MEAN:SIGMA`` sets the sigma (2 gives a long
+    tail: a few documents many times the median among many short ones). ``fixed:LEN``:
+    every document ``LEN`` tokens. Raises ``ValueError("documents: ...")`` on a bad spec.
     """
     kind, _, value = spec.partition(":")
+    sigma = LOGNORMAL_SIGMA
+    if kind == "lognormal" and value.count(":") == 1:
+        value, _, spread = value.partition(":")
+        try:
+            sigma = float(spread)
+        except ValueError:
+            sigma = 0
+        if not (0 < sigma <= 4):
+            raise ValueError(f"documents: {spec!r}: SIGMA must be a number in (0, 4], "
+                             f"e.g. lognormal:{value}:2")
     if kind == "stdlib" and not value:
         from ringray.data.sources import StdlibSource
 
@@ -39,8 +51,8 @@ def document_lengths(spec: str, seq_len: int) -> list[int]:
             if kind == "fixed":
                 return _pack(itertools.repeat(number), seq_len)
             rnd = random.Random(0)
-            mu = math.log(number) - LOGNORMAL_SIGMA**2 / 2  # so that the mean is `number`
-            return _pack((round(rnd.lognormvariate(mu, LOGNORMAL_SIGMA))
+            mu = math.log(number) - sigma**2 / 2  # so that the mean is `number`
+            return _pack((round(rnd.lognormvariate(mu, sigma))
                           for _ in itertools.count()), seq_len)
         what = "MEAN must be a number" if kind == "lognormal" else "LEN must be a whole number"
         raise ValueError(f"documents: {spec!r}: {what} of tokens >= 1, e.g. {kind}:512")
