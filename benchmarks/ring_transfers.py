@@ -54,7 +54,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", default="4,8")
     parser.add_argument("--seqs", default="16384,65536")
-    parser.add_argument("--documents", default="stdlib,lognormal:512")
+    parser.add_argument("--documents", default="stdlib,lognormal:512,lognormal:1024:2")
     parser.add_argument("--layouts", default="contiguous,zigzag,balanced,whole")
     parser.add_argument("--windows", default="1024,4096", help="windows, on one sequence")
     parser.add_argument("--kv-bytes", type=int, default=2,

@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ringray.attention import block_work, make_layout
+from ringray.attention.documents import check_documents
 from ringray.attention.transfers import (
     TransferPlan,
     plan_transfers,
@@ -303,3 +304,98 @@ def test_zigzag_sends_a_later_rank_only_the_early_chunk():
     counts = plan.counts(0)
     assert (counts.forward_kv_rows, counts.block_rows) == (12, 8)
     assert not plan_transfers(make_layout("zigzag", 4, 32), causal=False).partial_rows
+
+
+# ------------------------------------------------------------------- the own block's place
+
+def _timeline_ratio(plan: TransferPlan, phase: str, fill: bool) -> float:
+    from ringray.attention.transfers import _timeline
+
+    mean = sum(map(sum, plan.work)) / plan.world_size
+    return _timeline(plan, phase, fill)[0] / mean
+
+
+def test_the_own_block_fills_the_waits_of_a_layout_unbalanced_per_step():
+    """``whole`` over the stdlib mix at 64k on 8 ranks is balanced in total, not per step:
+    in the timeline model (compute proportional to visible pairs, a round completing when
+    its last rank posts) its forward takes 1.2x the mean rank's work with the own block
+    first. Spread over the steps where ranks would wait, the own block brings that under
+    1.1x, and the plan keeps that schedule; ``balanced`` (balanced per step) keeps the
+    classic place, as does the plain ring's traffic (``every_block``)."""
+    from ringray.bench.ring import document_lengths
+
+    documents = document_lengths("stdlib", 65536)
+    docs = check_documents(documents, 65536)
+    whole = plan_transfers(make_layout("whole", 8, 65536, documents=documents), True, docs)
+    assert _timeline_ratio(whole, "forward", False) > 1.15
+    assert _timeline_ratio(whole, "forward", True) < 1.1
+    assert all(whole.own_schedule(r, "forward") is not None for r in range(8))
+    balanced = make_layout("balanced", 8, 65536, documents=documents)
+    for plan in (plan_transfers(balanced, True, docs),
+                 plan_transfers(balanced, True, docs, every_block=True)):
+        assert all(plan.own_schedule(r, phase) is None
+                   for r in range(8) for phase in ("forward", "backward"))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(2, 6), st.integers(2, 24), st.data())
+def test_own_schedules_cover_the_own_block_once_per_step(world, per_rank, data):
+    """Any documents: a schedule, where there is one, has one cumulative figure per step,
+    never falls, and ends at the own block's visible pairs; the simulated protocol still
+    pairs every message (the schedule moves compute, never messages)."""
+    seq = 2 * world * per_rank  # zigzag splits it
+    cuts = sorted(data.draw(st.sets(st.integers(1, seq - 1), max_size=8)))
+    documents = [b - a for a, b in zip([0, *cuts], [*cuts, seq], strict=True)]
+    layout = make_layout(data.draw(st.sampled_from(["whole", "zigzag", "contiguous"])),
+                         world, seq, documents=documents)
+    plan = plan_transfers(layout, True, check_documents(documents, seq))
+    for phase in ("forward", "backward"):
+        for rank in range(world):
+            schedule = plan.own_schedule(rank, phase)
+            if schedule is None:
+                continue
+            steps = plan.forward_steps(rank) if phase == "forward" else \
+                plan.backward_steps(rank)
+            assert len(schedule) == len(steps)
+            assert list(schedule) == sorted(schedule) and schedule[0] >= 0
+            assert schedule[-1] == plan.work[rank][rank]
+
+
+def test_the_ring_tests_run_a_spread_own_block():
+    """The multi-process exactness tests cover the spread own block: the ``one-heavy``
+    mix's ``whole`` layout over 4 and 8 ranks (``tests/test_ring_documents.py``) spreads it
+    in both phases on some rank."""
+    import doc_cases as dc
+
+    documents = dc.SKIP_DOCUMENT_SETS["one-heavy"]
+    docs = check_documents(documents, sum(documents))
+    for world in (4, 8):
+        plan = plan_transfers(make_layout("whole", world, sum(documents), documents=documents),
+                              True, docs)
+        for phase in ("forward", "backward"):
+            assert any(plan.own_schedule(r, phase) is not None for r in range(world))
+
+
+def test_chunk_pieces_covers_exactly_the_pieces_pairs():
+    """Units of a block cut by query rows cover every visible pair of its pieces exactly
+    once (a CAUSAL square's row band: a FULL rectangle and a smaller CAUSAL square), in
+    about the units asked for."""
+    from ringray.attention.steps import Piece, PieceKind, chunk_pieces
+
+    def cover(pieces) -> torch.Tensor:
+        grid = torch.zeros(96, 96, dtype=torch.int32)
+        for p in pieces:
+            rows = torch.arange(p.q_start, p.q_end)[:, None]
+            keys = torch.arange(p.k_start, p.k_end)[None, :]
+            seen = torch.ones(len(rows), keys.shape[1], dtype=torch.bool)
+            if p.kind is PieceKind.CAUSAL:
+                seen = (rows - p.q_start) >= (keys - p.k_start)
+            grid[p.q_start:p.q_end, p.k_start:p.k_end] += seen.int()
+        return grid
+
+    pieces = (Piece(PieceKind.CAUSAL, 0, 40, 0, 40), Piece(PieceKind.FULL, 40, 52, 0, 30),
+              Piece(PieceKind.MASKED, 52, 96, 30, 61), Piece(PieceKind.CAUSAL, 52, 53, 61, 62))
+    for chunks in (1, 2, 5, 16):
+        units = chunk_pieces(pieces, chunks)
+        assert torch.equal(cover([p for unit in units for p in unit]), cover(pieces))
+        assert chunks // 2 <= len(units) <= 2 * chunks + 1, (chunks, len(units))

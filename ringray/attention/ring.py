@@ -61,7 +61,7 @@ from ringray.attention.documents import Documents
 from ringray.attention.layouts import Layout
 from ringray.attention.merge import merge_into
 from ringray.attention.stats import NULL_TIMER, RingCallRecord, RingStats, StepTimer
-from ringray.attention.steps import Piece, PieceKind, RankPlan, plan_rank
+from ringray.attention.steps import Piece, PieceKind, RankPlan, chunk_pieces, plan_rank
 from ringray.attention.transfers import TransferPlan, plan_transfers
 from ringray.attention.ulysses import (
     UlyssesComm,
@@ -331,6 +331,47 @@ class _Buffers:
         self._free.append(tensor)
 
 
+# The own block is cut into about this many units when the transfer plan spreads it over the
+# steps (TransferPlan.own_schedule).
+OWN_UNITS = 16
+
+
+class _OwnBlock:
+    """When this rank computes its own block in one phase. ``None`` from
+    :meth:`TransferPlan.own_schedule`: all of it at its classic step (``spread`` is False).
+    Otherwise the block is cut into units (:func:`chunk_pieces`; one unit, the whole block,
+    for a fused backend) and :meth:`due` hands out, after each step's block, the units that
+    bring the share done up to the schedule's (the last step: all that is left)."""
+
+    def __init__(self, call: RingCall, phase: str) -> None:
+        rank = call.comm.rank
+        schedule = call.transfers.own_schedule(rank, phase)
+        self.spread = schedule is not None and schedule[-1] > 0
+        if not self.spread:
+            return
+        self._targets = [done / schedule[-1] for done in schedule]
+        units: tuple[tuple[Piece, ...] | None, ...]
+        if call.fused is not None:
+            units, weights = (None,), [1]
+        else:
+            units = chunk_pieces(call.plan.pieces[rank], OWN_UNITS)
+            weights = [sum(p.pairs for p in unit) for unit in units]
+        total = sum(weights) or 1
+        self._units = list(zip(units, [w / total for w in weights], strict=True))
+        self._done = 0.0
+
+    def due(self, index: int) -> list[tuple[Piece, ...] | None]:
+        """The units to compute at step ``index`` (``None``: the whole block, fused)."""
+        last = index == len(self._targets) - 1
+        out = []
+        while self._units and (last or self._done + self._units[0][1] / 2
+                               <= self._targets[index]):
+            unit, weight = self._units.pop(0)
+            self._done += weight
+            out.append(unit)
+        return out
+
+
 def _record_call(call: RingCall, phase: str, kv_bytes: int, dkv_bytes: int,
                  sent_bytes: int) -> None:
     """One :class:`RingCallRecord` for this rank's phase: what it sent and what the plain
@@ -375,6 +416,7 @@ class _RingAttention(torch.autograd.Function):
         lse = torch.full((batch, q_heads, seq), float("-inf"), dtype=acc, device=q.device)
         touched = torch.zeros(seq, dtype=torch.bool)  # rows that hold a partial result yet
         sent_bytes, last = 0, None
+        own = _OwnBlock(call, "forward")
 
         for index, step in enumerate(call.transfers.forward_steps(rank)):
             timer = _timer(stats, q.device)
@@ -389,12 +431,17 @@ class _RingAttention(torch.autograd.Function):
                 recv = [(incoming, exchange.kv_from, _KV_TAG)] if incoming is not None else []
                 pending = comm.post(send, recv)
             timer.start_compute()
-            if step.block is not None:
+            if step.block is not None and not (own.spread and step.block == rank):
                 kv_block = held.pop(step.block) if step.block != rank else kv_own
                 _forward_block(call, step.block, q_t, kv_block, out, lse, touched)
                 if step.block != rank:
                     last = (step.block, kv_block)
                     kv_buffers.give(kv_block)  # the forward receives nothing after its last
+            for unit in own.due(index) if own.spread else ():
+                if unit is None:
+                    _forward_block(call, rank, q_t, kv_own, out, lse, touched)
+                else:
+                    _forward_pieces(call, rank, q_t, kv_own, out, lse, touched, unit)
             _finish_step(stats, "forward", index, timer, pending)
             if pending is not None:
                 sent_bytes += pending.bytes_sent
@@ -427,6 +474,7 @@ class _RingAttention(torch.autograd.Function):
         done: dict[int, torch.Tensor] = {}  # dK/dV sums computed, not yet sent back
         delta = softmax_delta(dout_t, out_t) if call.fused is not None else None  # once per call
         sent_bytes = 0
+        own = _OwnBlock(call, "backward")
 
         for index, step in enumerate(call.transfers.backward_steps(rank)):
             timer = _timer(stats, q.device)
@@ -455,8 +503,9 @@ class _RingAttention(torch.autograd.Function):
                 pending = comm.post(send, recv)
             timer.start_compute()
             if step.block == rank:  # the own block, last: its sum is dK/dV's accumulator
-                _backward_block(call, rank, dout_t, q_t, kv_own, out_t, lse, delta, dq,
-                                dkv_own)
+                if not own.spread:
+                    _backward_block(call, rank, dout_t, q_t, kv_own, out_t, lse, delta, dq,
+                                    dkv_own)
             elif step.block is not None:
                 kv_block = held.pop(step.block)
                 partial = dkv_buffers.take().zero_()
@@ -465,6 +514,13 @@ class _RingAttention(torch.autograd.Function):
                 done[step.block] = partial
                 if kv_block is not kv_last:  # a saved tensor stays as saved (retain_graph)
                     kv_buffers.give(kv_block)
+            for unit in own.due(index) if own.spread else ():
+                if unit is None:
+                    _backward_block(call, rank, dout_t, q_t, kv_own, out_t, lse, delta, dq,
+                                    dkv_own)
+                else:
+                    _backward_pieces(call, rank, dout_t, q_t, kv_own, out_t, lse, dq,
+                                     dkv_own, unit)
             _finish_step(stats, "backward", index, timer, pending)
             if pending is not None:
                 sent_bytes += pending.bytes_sent
@@ -528,9 +584,11 @@ def _backward_block(call: RingCall, source: int, dout_t: torch.Tensor, q_t: torc
 def _forward_pieces(
     call: RingCall, source: int, q_t: torch.Tensor, kv_block: torch.Tensor,
     out: torch.Tensor, lse: torch.Tensor, touched: torch.Tensor,
+    pieces: tuple[Piece, ...] | None = None,
 ) -> None:
-    """One forward step through the plain backend interface: a call per planned piece."""
-    for piece in call.plan.pieces[source]:
+    """One forward step through the plain backend interface: a call per planned piece (or
+    per piece of ``pieces``, a unit of the block)."""
+    for piece in call.plan.pieces[source] if pieces is None else pieces:
         rows, keys = slice(piece.q_start, piece.q_end), slice(piece.k_start, piece.k_end)
         block_out, block_lse = call.kernel.forward(
             q_t[:, :, rows], kv_block[0][:, :, keys], kv_block[1][:, :, keys],
@@ -549,10 +607,11 @@ def _forward_pieces(
 def _backward_pieces(
     call: RingCall, source: int, dout_t: torch.Tensor, q_t: torch.Tensor,
     kv_block: torch.Tensor, out_t: torch.Tensor, lse: torch.Tensor, dq: torch.Tensor,
-    dkv: torch.Tensor,
+    dkv: torch.Tensor, pieces: tuple[Piece, ...] | None = None,
 ) -> None:
-    """One backward step through the plain backend interface: a call per planned piece."""
-    for piece in call.plan.pieces[source]:
+    """One backward step through the plain backend interface: a call per planned piece (or
+    per piece of ``pieces``, a unit of the block)."""
+    for piece in call.plan.pieces[source] if pieces is None else pieces:
         rows, keys = slice(piece.q_start, piece.q_end), slice(piece.k_start, piece.k_end)
         dq_piece, dk_piece, dv_piece = call.kernel.backward(
             dout_t[:, :, rows], q_t[:, :, rows],

@@ -339,3 +339,49 @@ def plan_tiles(
 
 def _int32(values: torch.Tensor | None) -> torch.Tensor | None:
     return values.to(torch.int32) if values is not None else None
+
+
+def chunk_pieces(pieces: tuple[Piece, ...], chunks: int) -> tuple[tuple[Piece, ...], ...]:
+    """``pieces`` regrouped, in order, into about ``chunks`` units of near-equal pairs, so
+    that a block's compute can be spread over several ring steps. A piece larger than a unit
+    is cut by query rows: a FULL or MASKED piece into row bands over the same keys, a CAUSAL
+    square's row band ``[i, j)`` into a FULL rectangle over keys ``[0, i)`` and the CAUSAL
+    square ``[i, j)``. The units cover exactly the pieces' query-key pairs."""
+    total = sum(p.pairs for p in pieces)
+    if not pieces or chunks <= 1 or total == 0:
+        return (tuple(pieces),) if pieces else ()
+    target = total / chunks
+    cut: list[Piece] = []
+    for piece in pieces:
+        rows = piece.q_end - piece.q_start
+        bands = min(rows, max(1, round(piece.pairs / target)))
+        if bands == 1:
+            cut.append(piece)
+            continue
+        if piece.kind is PieceKind.CAUSAL:  # equal areas: band edges at rows * sqrt(t / m)
+            edges = [round(rows * (t / bands) ** 0.5) for t in range(bands + 1)]
+        else:
+            edges = [rows * t // bands for t in range(bands + 1)]
+        for lo, hi in zip(edges, edges[1:], strict=False):
+            if hi <= lo:
+                continue
+            q0, q1 = piece.q_start + lo, piece.q_start + hi
+            if piece.kind is PieceKind.CAUSAL:
+                if lo:
+                    cut.append(Piece(PieceKind.FULL, q0, q1, piece.k_start, piece.k_start + lo))
+                cut.append(Piece(PieceKind.CAUSAL, q0, q1, piece.k_start + lo,
+                                 piece.k_start + hi))
+            else:
+                cut.append(Piece(piece.kind, q0, q1, piece.k_start, piece.k_end))
+    units: list[tuple[Piece, ...]] = []
+    unit: list[Piece] = []
+    pairs = 0
+    for piece in cut:
+        unit.append(piece)
+        pairs += piece.pairs
+        if pairs >= target * (1 - 1e-9):
+            units.append(tuple(unit))
+            unit, pairs = [], 0
+    if unit:
+        units.append(tuple(unit))
+    return tuple(units)

@@ -49,6 +49,7 @@ Pure: plain data in, frozen dataclasses out; tested without processes
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -79,10 +80,13 @@ class Exchange:
 @dataclass(frozen=True)
 class Step:
     """Post ``exchange`` (``None``: nothing to post), compute against the K/V block that
-    started on rank ``block`` (``None``: nothing to compute), then wait for the exchange."""
+    started on rank ``block`` (``None``: nothing to compute), then wait for the exchange.
+    ``round``: the plan's round the exchange belongs to (forward 1, 2, ...; backward the
+    forward round whose block it computes), ``None`` without one."""
 
     exchange: Exchange | None
     block: int | None
+    round: int | None = None
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,9 @@ class TransferPlan:
     # a pair not listed reads all ``block_rows`` rows.
     partial_rows: tuple[tuple[Pair, Rows], ...] = ()
     block_rows: int = 0
+    # Visible query-key pairs per block pair, [reader][source] (:func:`~.layouts.block_work`);
+    # empty when unknown (then the own block keeps its classic place: see own_schedule).
+    work: tuple[tuple[int, ...], ...] = ()
 
     @cached_property
     def _rows(self) -> dict[Pair, Rows]:
@@ -190,10 +197,10 @@ class TransferPlan:
             kv_from = self._received_in[rank].get(index)
             kv_to = next((r for s, r in self.rounds[index - 1] if s == rank), None)
             if kv_from is not None or kv_to is not None:
-                exchanges.append(Exchange(kv_from=kv_from, kv_to=kv_to))
+                exchanges.append((index, Exchange(kv_from=kv_from, kv_to=kv_to)))
         steps, block = [], rank
-        for exchange in exchanges:
-            steps.append(Step(exchange, block))
+        for index, exchange in exchanges:
+            steps.append(Step(exchange, block, index))
             block = exchange.kv_from
         if block is not None:
             steps.append(Step(None, block))
@@ -213,8 +220,22 @@ class TransferPlan:
             )
             block = self._received_in[rank].get(index) if index else rank
             if not exchange.empty or block is not None:
-                steps.append(Step(None if exchange.empty else exchange, block))
+                steps.append(Step(None, block) if exchange.empty else
+                             Step(exchange, block, index))
         return tuple(steps)
+
+    def own_schedule(self, rank: int, phase: str) -> tuple[int, ...] | None:
+        """When ``rank`` computes its own block in ``phase`` (``"forward"`` or
+        ``"backward"``): per step of its steps, the own block's visible pairs computed by the
+        end of that step (cumulative; the last is the whole block). ``None``: the classic
+        place, the first forward step and the last backward step (see :func:`own_schedules`).
+        """
+        schedules = self._own_schedules[phase]
+        return None if schedules is None else schedules[rank]
+
+    @cached_property
+    def _own_schedules(self) -> dict[str, tuple[tuple[int, ...], ...] | None]:
+        return {phase: own_schedules(self, phase) for phase in ("forward", "backward")}
 
     def counts(self, rank: int) -> TransferCounts:
         """Messages ``rank`` sends in one call (forward and backward), beside the ring's."""
@@ -234,6 +255,99 @@ class TransferPlan:
             backward_dkv_rows=sum(self.row_count(s, rank) for s in dkv),
             block_rows=self.block_rows,
         )
+
+
+# The own block moves out of its classic place only when the timeline model's call time falls
+# by more than this fraction.
+FILL_GAIN = 0.02
+
+
+def own_schedules(plan: TransferPlan, phase: str) -> tuple[tuple[int, ...], ...] | None:
+    """Where every rank computes its own block in ``phase``, or ``None`` for the classic place.
+
+    A rank's own block needs no message, so it can be computed at any step. A step's
+    messages are posted before its compute and waited for after it, and a message completes
+    only once both its ranks have posted it; so a rank whose peers are still computing
+    waits, and a layout balanced in total but not per step (``whole``) loses that time. The
+    own block fills those waits: a timeline model of the call (every rank's steps, compute
+    time proportional to visible pairs, transfers free, a round completing when its last
+    rank posts) gives each step the own-block pairs that fit in the rank's wait there. The
+    forward still starts with a share of the own block (a typical received block's work),
+    so the first transfer has something to hide behind, and the backward keeps that much
+    for its last step, behind which the last dK/dV sum travels home. Kept only when the
+    model's call time falls by more than :data:`FILL_GAIN`; otherwise (every step balanced,
+    as with ``balanced`` or zigzag) ``None``. Needs ``plan.work``."""
+    if not plan.work:
+        return None
+    classic, _ = _timeline(plan, phase, fill=False)
+    filled, schedules = _timeline(plan, phase, fill=True)
+    if filled >= classic * (1 - FILL_GAIN):
+        return None
+    return schedules
+
+
+def _timeline(plan: TransferPlan, phase: str,
+              fill: bool) -> tuple[float, tuple[tuple[int, ...], ...]]:
+    """The model's call time (the last rank's finish, in visible pairs) and, with ``fill``,
+    every rank's cumulative own-block pairs per step (see :func:`own_schedules`)."""
+    world, work = plan.world_size, plan.work
+    steps = [plan.forward_steps(r) if phase == "forward" else plan.backward_steps(r)
+             for r in range(world)]
+    own = [work[r][r] for r in range(world)]
+    typical = []
+    for r in range(world):
+        read = [work[r][s] for s in range(world) if s != r and work[r][s]]
+        typical.append(min(own[r], sum(read) // len(read) if read else own[r]))
+    # Filling: the forward computes ``typical`` at its first step, the backward keeps it for
+    # its last; the rest fills waits.
+    budget = [own[r] - typical[r] if fill else 0 for r in range(world)]
+    amounts = [[0] * len(steps[r]) for r in range(world)]
+    clock = [0.0] * world
+    position = [0] * world
+    at_round = [{step.round: i for i, step in enumerate(steps[r]) if step.round is not None}
+                for r in range(world)]
+
+    def compute(r: int, i: int) -> int:
+        block = steps[r][i].block
+        if block is None:
+            return 0
+        if block != r:
+            return work[r][block]
+        if not fill:
+            return own[r]
+        return typical[r] if phase == "forward" else 0
+
+    def advance(r: int, stop: int) -> None:  # steps with nothing to wait for
+        while position[r] < stop:
+            clock[r] += compute(r, position[r])
+            position[r] += 1
+
+    rounds = sorted({k for table in at_round for k in table}, reverse=phase == "backward")
+    for k in rounds:
+        members = [r for r in range(world) if k in at_round[r]]
+        for r in members:
+            advance(r, at_round[r][k])
+        posted = {r: clock[r] for r in members}
+        for r in members:
+            step = steps[r][position[r]]
+            exchange = step.exchange
+            peers = {exchange.kv_from, exchange.kv_to, exchange.dkv_from, exchange.dkv_to}
+            complete = max([posted[p] for p in peers if p is not None] + [posted[r]])
+            ready = posted[r] + compute(r, position[r])
+            filled = min(max(0.0, complete - ready), budget[r])
+            budget[r] -= filled
+            amounts[r][position[r]] += round(filled)
+            clock[r] = max(ready + filled, complete)
+            position[r] += 1
+    for r in range(world):
+        advance(r, len(steps[r]))
+        if fill and steps[r]:
+            first = 0 if phase == "forward" else len(steps[r]) - 1
+            amounts[r][first] += typical[r]
+            amounts[r][-1] += own[r] - sum(amounts[r])  # what no wait took: at the end
+            clock[r] += budget[r] + (typical[r] if phase == "backward" else 0)
+    schedules = tuple(tuple(itertools.accumulate(row)) for row in amounts)
+    return max(clock, default=0.0), schedules
 
 
 def plan_transfers(
@@ -257,7 +371,7 @@ def plan_transfers(
                     if ranges != ((0, layout.local_len),) and reads[reader][source])
     return TransferPlan(world_size=layout.world_size, reads=reads,
                         rounds=transfer_rounds(reads), partial_rows=partial,
-                        block_rows=layout.local_len)
+                        block_rows=layout.local_len, work=tuple(map(tuple, work)))
 
 
 def read_rows(

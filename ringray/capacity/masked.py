@@ -107,9 +107,13 @@ def masked_ring(layout: Layout, documents: Documents | list[int] | None, window:
         total = compute = exposed = 0.0
         for phase, factor in (("forward", 1.0), ("backward", 2.5)):
             steps = plan.forward_steps(rank) if phase == "forward" else plan.backward_steps(rank)
-            for step in steps:
-                step_compute = (work[rank][step.block] * pair * factor
-                                if step.block is not None else 0.0)
+            schedule = plan.own_schedule(rank, phase)  # the own block spread over the steps
+            for index, step in enumerate(steps):
+                pairs = (work[rank][step.block] if step.block is not None and
+                         (schedule is None or step.block != rank) else 0)
+                if schedule is not None:
+                    pairs += schedule[index] - (schedule[index - 1] if index else 0)
+                step_compute = pairs * pair * factor
                 transfer = 0.0
                 if step.exchange is not None:
                     kv, dkv = _exchange_rows(plan, rank, step.exchange, phase == "backward")
