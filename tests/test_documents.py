@@ -464,6 +464,6 @@ def test_whole_layout_of_the_one_heavy_ring_case_is_the_runs_construction():
     for world in (4, 8):
         layout = make_layout("whole", world, sum(documents), documents=documents)
         ranges = [_ranges(layout.positions(r).tolist()) for r in range(world)]
-        assert ranges == run_ranges(world, sum(documents), docs)
+        assert sorted(ranges) == sorted(run_ranges(world, sum(documents), docs))  # renumbered
         nested = balanced_ranges(world, sum(documents), docs, spread=False)
         assert received_rows(ranges, docs) < received_rows(nested, docs)

@@ -55,7 +55,7 @@ def test_a_ring_of_two_by_hand():
 @pytest.mark.parametrize("layout", ["balanced", "whole"])
 def test_the_walk_sends_what_the_transfer_plan_sends(layout):
     """The bytes the walk counts are the transfer plan's (bf16 K/V rows, float32 dK/dV):
-    on the stdlib mix at 16k over 8 ranks, whole 33.9 % of the plain ring, balanced 70.5 %
+    on the stdlib mix at 16k over 8 ranks, whole 33.8 % of the plain ring, balanced 70.5 %
     (the figures of ``benchmarks/ring_transfers.py``)."""
     documents = document_lengths("stdlib", 16384)
     lay = make_layout(layout, 8, 16384, documents=documents)
@@ -65,7 +65,7 @@ def test_the_walk_sends_what_the_transfer_plan_sends(layout):
     transfers = plan_transfers(lay, True, check_documents(documents, 16384))
     want = sum(transfers.counts(r).bytes_sent(2 * 2 * 64 * 2, 2 * 2 * 64 * 4) for r in range(8))
     assert ring.bytes_sent == want
-    assert ring.bytes_fraction == pytest.approx({"balanced": 0.705, "whole": 0.339}[layout],
+    assert ring.bytes_fraction == pytest.approx({"balanced": 0.705, "whole": 0.338}[layout],
                                                 abs=5e-4)
 
 
@@ -89,7 +89,7 @@ def test_the_report_has_a_line_per_mask():
     assert "ring step plan (whole layout, documents stdlib (7 in a sequence)" in text
     assert "full causal (4 layers)" in text and "34% of the plain ring's bytes" in text
     assert report.to_dict()["step_plan"][0]["ringray"]["bytes_fraction"] == pytest.approx(
-        0.339, abs=5e-4)
+        0.338, abs=5e-4)
 
     windowed = dataclasses.replace(_inputs().model, sliding_window=1024, sliding_layers=(1, 3))
     report = plan(_inputs(model=windowed, layout="zigzag"), cluster)

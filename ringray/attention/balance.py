@@ -42,7 +42,9 @@ ways, and :func:`whole_ranges` keeps the one that reads fewer rows:
   the plain ring's bytes over 4 ranks and 33.6 % over 8, against 36.1 % and 38.7 % nested).
 
 Either way the work is equal in total, not at every ring step, which matters less once each
-block goes only to its readers (:mod:`.transfers`).
+block goes only to its readers (:mod:`.transfers`) and the own block fills the waits
+(:func:`~.transfers.own_schedules`); :func:`~.layouts.make_layout` also numbers the ranks for
+the shortest modelled call.
 
 Short documents next to each other are first grouped into clusters (taken front to back), so
 that many tiny documents do not scatter every rank over hundreds of position runs.

@@ -39,6 +39,7 @@ chosen layout's balance (:mod:`.ulysses`). ``layout.ring`` is that R-rank layout
 from __future__ import annotations
 
 import math
+import random
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -299,8 +300,13 @@ def _check_divisible(kind: str, world_size: int, seq_len: int) -> None:
 
 @lru_cache(maxsize=16)  # documents change every batch; the last few are reused by the ring
 def _balanced(world_size: int, seq_len: int, documents: Documents, kind: str) -> Layout:
-    ranges = (balanced_ranges(world_size, seq_len, documents) if kind == "balanced"
-              else whole_ranges(world_size, seq_len, documents))
+    if kind == "balanced":
+        return _from_ranges(kind, seq_len, balanced_ranges(world_size, seq_len, documents))
+    layout = _from_ranges(kind, seq_len, whole_ranges(world_size, seq_len, documents))
+    return _numbered(layout, documents)
+
+
+def _from_ranges(kind: str, seq_len: int, ranges: list[list[tuple[int, int]]]) -> Layout:
     pos = torch.tensor([[p for start, end in rank for p in range(start, end)]
                         for rank in ranges], dtype=torch.int64)
     runs = []
@@ -310,7 +316,43 @@ def _balanced(world_size: int, seq_len: int, documents: Documents, kind: str) ->
             rank_runs.append(Run(local, start, 1, end - start))
             local += end - start
         runs.append(tuple(rank_runs))
-    return Layout(kind, world_size, seq_len, pos, tuple(runs))
+    return Layout(kind, len(ranges), seq_len, pos, tuple(runs))
+
+
+# ``whole`` tries this many numberings of its ranks (the first: as built), on rings of at most
+# NUMBERING_MAX_RANKS.
+NUMBERINGS = 32
+NUMBERING_MAX_RANKS = 16
+
+
+def _numbered(layout: Layout, documents: Documents) -> Layout:
+    """``layout`` with its ranks' shares renumbered so that the ring's rounds wait least.
+
+    Which rank holds which share changes neither the work per rank nor the bytes, but it
+    changes who exchanges with whom in which round, and so how long a rank balanced in
+    total but not per step waits for its peers. Of :data:`NUMBERINGS` numberings (as built,
+    then seeded shuffles: the same on every rank), the one with the shortest modelled call
+    (:func:`~ringray.attention.transfers.modelled_time`) is kept; rings of more than
+    :data:`NUMBERING_MAX_RANKS` keep the numbering as built."""
+    from ringray.attention.transfers import modelled_time  # transfers imports this module
+
+    world = layout.world_size
+    if world <= 2 or world > NUMBERING_MAX_RANKS:
+        return layout
+    work = block_work(layout, documents)
+    rng = random.Random(0)
+    best, best_time = list(range(world)), modelled_time(work)
+    for _ in range(NUMBERINGS - 1):
+        order = list(range(world))
+        rng.shuffle(order)
+        time = modelled_time([[work[a][b] for b in order] for a in order])
+        if time < best_time:
+            best, best_time = order, time
+    if best == list(range(world)):
+        return layout
+    runs = layout._given_runs
+    return Layout(layout.kind, world, layout.seq_len, layout._positions[best],
+                  None if runs is None else tuple(runs[r] for r in best))
 
 
 # Memoised so that repeated calls with a layout name share one Layout, and with it the

@@ -28,7 +28,10 @@ step posts one round's messages before its compute and waits for them after it, 
 transfer hides behind the compute; rounds in which a rank neither sends nor receives are not
 steps at all on that rank.
 
-Forward: the own block first, then each received block. Each step's pieces (see
+Forward: the own block first, then each received block; where the layout is balanced in
+total but not per step, the transfer plan instead spreads the own block over the steps in
+which this rank would wait for a peer (:meth:`TransferPlan.own_schedule`), computed in units
+cut by query rows, so that it fills those waits. Each step's pieces (see
 :mod:`ringray.attention.steps`) go to the local kernel and merge into float32 (out, LSE)
 accumulators with the online-softmax rule. A backend with the fused ring-step capability
 (:class:`~ringray.attention.backends.FusedStepBackend`, e.g. ``triton``) instead gets the
@@ -36,7 +39,8 @@ whole block pair with its global positions, once per step, and merges inside its
 its backward gets ``delta = rowsum(dO * O)``, computed once per call, and adds into the
 float32 gradient accumulators.
 
-Backward: the rounds in reverse. It starts with the block the forward received last (kept
+Backward: the rounds in reverse (the own block spread the same way where the plan says so).
+It starts with the block the forward received last (kept
 from the forward: not sent again) and ends with the own block, so the float32 dK/dV partial
 sum of the last block read travels back to its owner while the own block is computed; each
 owner adds the sums its readers send back into its own dK/dV. The price is keeping the own

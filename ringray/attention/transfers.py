@@ -30,7 +30,10 @@ the previous block's compute.
 
 Steps. A rank posts one round's messages, computes the block it received in its previous
 round (or its own block first), and waits; rounds in which it neither sends nor receives are
-skipped, so a rank that reads little does little. Every rank posts its rounds in the same
+skipped, so a rank that reads little does little. A message completes only once both its
+ranks have posted it, so a layout balanced in total but not per step makes ranks wait for
+busy peers; the own block, which needs no message, then fills those waits instead of being
+computed first (:func:`own_schedules`). Every rank posts its rounds in the same
 (ascending) order and each round's sends and receives pair up within the round, so no rank
 waits on a message that its peer posts only later: no deadlock, on gloo or NCCL.
 
@@ -284,6 +287,23 @@ def own_schedules(plan: TransferPlan, phase: str) -> tuple[tuple[int, ...], ...]
     if filled >= classic * (1 - FILL_GAIN):
         return None
     return schedules
+
+
+def modelled_time(work: Sequence[Sequence[int]]) -> float:
+    """The timeline model's time of one ring call over a layout with this block-work matrix
+    (``[reader][source]`` visible pairs; see :func:`own_schedules`): the forward plus 2.5
+    times the backward, in visible pairs, each with the own block where the plan would put
+    it. For comparing rank numberings of one layout (``whole``)."""
+    world = len(work)
+    reads = tuple(tuple(work[r][s] > 0 for s in range(world)) for r in range(world))
+    plan = TransferPlan(world_size=world, reads=reads, rounds=transfer_rounds(reads),
+                        work=tuple(map(tuple, work)))
+    total = 0.0
+    for phase, factor in (("forward", 1.0), ("backward", 2.5)):
+        classic = _timeline(plan, phase, fill=False)[0]
+        filled = _timeline(plan, phase, fill=True)[0]
+        total += factor * (filled if filled < classic * (1 - FILL_GAIN) else classic)
+    return total
 
 
 def _timeline(plan: TransferPlan, phase: str,
