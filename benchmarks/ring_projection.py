@@ -35,7 +35,7 @@ def main() -> None:
     parser.add_argument("--tokens-per-gpu", type=int, default=8192)
     parser.add_argument("--efficiency", type=float, default=1.0,
                         help="attention kernel's share of the dense bf16 peak (1: peak)")
-    parser.add_argument("--documents", default="stdlib,lognormal:512")
+    parser.add_argument("--documents", default="stdlib,lognormal:512,lognormal:1024:2")
     parser.add_argument("--windows", default="4096")
     args = parser.parse_args()
     print("| cluster | link | S | mask | transfers | layout | ms per layer | exposed ms "
