@@ -309,7 +309,7 @@ def test_zigzag_sends_a_later_rank_only_the_early_chunk():
 # ------------------------------------------------------------------- the own block's place
 
 def _timeline_ratio(plan: TransferPlan, phase: str, fill: bool) -> float:
-    from ringray.attention.transfers import _timeline
+    from ringray.attention.rounds import _timeline
 
     mean = sum(map(sum, plan.work)) / plan.world_size
     return _timeline(plan, phase, fill)[0] / mean

@@ -49,6 +49,7 @@ import torch
 
 from ringray.attention.balance import balanced_ranges, whole_ranges
 from ringray.attention.documents import Documents, check_documents
+from ringray.attention.rounds import modelled_time
 
 # The layouts a job spec may name (each works for any document lengths).
 BUILTIN_LAYOUTS = ("contiguous", "zigzag", "striped")
@@ -332,10 +333,8 @@ def _numbered(layout: Layout, documents: Documents) -> Layout:
     changes who exchanges with whom in which round, and so how long a rank balanced in
     total but not per step waits for its peers. Of :data:`NUMBERINGS` numberings (as built,
     then seeded shuffles: the same on every rank), the one with the shortest modelled call
-    (:func:`~ringray.attention.transfers.modelled_time`) is kept; rings of more than
+    (:func:`~ringray.attention.rounds.modelled_time`) is kept; rings of more than
     :data:`NUMBERING_MAX_RANKS` keep the numbering as built."""
-    from ringray.attention.transfers import modelled_time  # transfers imports this module
-
     world = layout.world_size
     if world <= 2 or world > NUMBERING_MAX_RANKS:
         return layout
