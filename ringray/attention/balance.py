@@ -214,7 +214,8 @@ class _Remaining:
 
 
 def balanced_ranges(
-    world_size: int, seq_len: int, documents: Documents, *, spread: bool = True
+    world_size: int, seq_len: int, documents: Documents, *, spread: bool = True,
+    prefix: list[int] | None = None,
 ) -> list[list[tuple[int, int]]]:
     """Per rank, sorted disjoint global ``[start, end)`` ranges: ``seq_len / world_size``
     tokens each, with near-equal causal work under the document mask (see the module
@@ -224,9 +225,10 @@ def balanced_ranges(
     document goes through the two pointers, so it stays on one rank unless a rank's share
     runs out inside it, and a long one is cut into as few nested head/tail pieces as the
     shares need. Work stays as equal; fewer ranks share each document, so a rank reads keys
-    from fewer others (and only their rows of the documents it holds)."""
+    from fewer others (and only their rows of the documents it holds). ``prefix``:
+    :func:`_work_prefix` of ``documents``, if the caller has it."""
     per_rank = seq_len // world_size
-    prefix = [0, *torch.cumsum(documents.token_work(causal=True), 0).tolist()]
+    prefix = _work_prefix(documents) if prefix is None else prefix
     heavy_work = prefix[-1] / (world_size * SPREAD_SHARE) if spread else float("inf")
     heavy, light = _items(documents, per_rank, prefix, heavy_work)
     ranges: list[list[tuple[int, int]]] = [[] for _ in range(world_size)]
@@ -254,17 +256,17 @@ def whole_ranges(world_size: int, seq_len: int,
     ``spread=False`` (nested pieces); the other :func:`run_ranges` (light documents whole,
     heavy ones in runs). The second wins only if its work imbalance is within
     :data:`RUNS_IMBALANCE`."""
-    nested = balanced_ranges(world_size, seq_len, documents, spread=False)
-    runs = run_ranges(world_size, seq_len, documents)
-    work = documents.token_work(causal=True)
-    if (_imbalance(runs, work) <= max(RUNS_IMBALANCE, _imbalance(nested, work))
+    prefix = _work_prefix(documents)
+    nested = balanced_ranges(world_size, seq_len, documents, spread=False, prefix=prefix)
+    runs = run_ranges(world_size, seq_len, documents, prefix=prefix)
+    if (_imbalance(runs, prefix) <= max(RUNS_IMBALANCE, _imbalance(nested, prefix))
             and received_rows(runs, documents) < received_rows(nested, documents)):
         return runs
     return nested
 
 
-def run_ranges(world_size: int, seq_len: int,
-               documents: Documents) -> list[list[tuple[int, int]]]:
+def run_ranges(world_size: int, seq_len: int, documents: Documents, *,
+               prefix: list[int] | None = None) -> list[list[tuple[int, int]]]:
     """Light documents whole, heavy ones cut into runs (see the module docstring).
 
     A document with more work than a rank's mean is heavy: it is cut into runs of
@@ -273,9 +275,10 @@ def run_ranges(world_size: int, seq_len: int,
     lowest to those that need tokens. Every other document (and cluster of short ones) is
     atomic: a rank takes it whole or leaves it to the next, and cuts it only when no take
     of whole items lands within :data:`ATOMIC_SLACK` of its work. A light document longer
-    than a rank's share is first cut into the fewest equal consecutive pieces that fit."""
+    than a rank's share is first cut into the fewest equal consecutive pieces that fit.
+    ``prefix``: :func:`_work_prefix` of ``documents``, if the caller has it."""
     per_rank = seq_len // world_size
-    prefix = [0, *torch.cumsum(documents.token_work(causal=True), 0).tolist()]
+    prefix = _work_prefix(documents) if prefix is None else prefix
     heavy_work = prefix[-1] / world_size
     items: list[_Item] = []
     for start, length, _ in _groups(documents, per_rank, heavy_work):
@@ -315,9 +318,13 @@ def received_rows(ranges: list[list[tuple[int, int]]], documents: Documents) -> 
     return total
 
 
-def _imbalance(ranges: list[list[tuple[int, int]]], work: torch.Tensor) -> float:
-    """Max over mean of the ranks' work (``work``: per position)."""
-    prefix = torch.nn.functional.pad(work.cumsum(0), (1, 0)).tolist()
+def _work_prefix(documents: Documents) -> list[int]:
+    """Causal work (visible keys) of positions ``0 .. p - 1`` at index ``p``."""
+    return [0, *torch.cumsum(documents.token_work(causal=True), 0).tolist()]
+
+
+def _imbalance(ranges: list[list[tuple[int, int]]], prefix: list[int]) -> float:
+    """Max over mean of the ranks' work (``prefix``: :func:`_work_prefix`)."""
     totals = [sum(prefix[end] - prefix[start] for start, end in rank) for rank in ranges]
     mean = sum(totals) / len(totals)
     return max(totals) / mean if mean else 1.0

@@ -233,11 +233,7 @@ def own_schedules(plan: TransferPlan, phase: str) -> tuple[tuple[int, ...], ...]
     as with ``balanced`` or zigzag) ``None``. Needs ``plan.work``."""
     if not plan.work:
         return None
-    classic, _ = _timeline(plan, phase, fill=False)
-    filled, schedules = _timeline(plan, phase, fill=True)
-    if filled >= classic * (1 - FILL_GAIN):
-        return None
-    return schedules
+    return _placed(plan, phase)[1]
 
 
 def modelled_time(work: Sequence[Sequence[int]]) -> float:
@@ -249,12 +245,18 @@ def modelled_time(work: Sequence[Sequence[int]]) -> float:
     reads = tuple(tuple(work[r][s] > 0 for s in range(world)) for r in range(world))
     plan = TransferPlan(world_size=world, reads=reads, rounds=transfer_rounds(reads),
                         work=tuple(map(tuple, work)))
-    total = 0.0
-    for phase, factor in (("forward", 1.0), ("backward", 2.5)):
-        classic = _timeline(plan, phase, fill=False)[0]
-        filled = _timeline(plan, phase, fill=True)[0]
-        total += factor * (filled if filled < classic * (1 - FILL_GAIN) else classic)
-    return total
+    return _placed(plan, "forward")[0] + 2.5 * _placed(plan, "backward")[0]
+
+
+def _placed(plan: TransferPlan,
+            phase: str) -> tuple[float, tuple[tuple[int, ...], ...] | None]:
+    """The model's call time with the own block where the plan puts it, and the schedules
+    (``None``: the classic place; see :func:`own_schedules`)."""
+    classic, _ = _timeline(plan, phase, fill=False)
+    filled, schedules = _timeline(plan, phase, fill=True)
+    if filled >= classic * (1 - FILL_GAIN):
+        return classic, None
+    return filled, schedules
 
 
 def _timeline(plan: TransferPlan, phase: str,
