@@ -29,7 +29,11 @@ def agreement_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     """The CPU (gloo) side group over ``group``'s ranks (``None``: the default group), made
     on first use by those ranks alone (local synchronisation: other rings need not join) and
     kept for the life of the default group. It carries only host-side agreement traffic,
-    apart from the compute group's K/V exchange."""
+    apart from the compute group's K/V exchange. Under PyTorch's ``fake`` testing backend
+    (one process standing for one rank of a job, :mod:`ringray.bench.simulate`), where gloo
+    cannot be made, it is the group itself: the fake backend answers at once."""
+    if dist.get_backend(group) == "fake":
+        return group if group is not None else dist.group.WORLD
     ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
     world = dist.group.WORLD
     known = _AGREEMENT_GROUPS.get(ranks)

@@ -9,8 +9,10 @@ comes out is what a real rank would hold: its coordinates and group sizes in the
 mesh, the local shape of each FSDP shard (``fully_shard`` pads dim 0 to a multiple of the
 shard count, so the last ranks may hold fewer rows), and the bytes of its float32 weights,
 gradients and AdamW moments, to set against :func:`ringray.train.footprint.rank_footprint`
-(the memory model ``ringray plan`` uses). Activations are not simulated: the ring's forward
-does not run on a fake backend.
+(the memory model ``ringray plan`` uses). Activations are not simulated: on ``meta`` nothing
+is computed. (A rank's whole step does run over the fake backend on a real device, with
+received blocks left unfilled: ``tests/test_gpu_train_sync.py`` checks a ring rank's step for
+host synchronisations that way.)
 
 It initialises ``torch.distributed`` for the process, so it is meant for a process of its own
 (``ringray plan --simulate`` or a test's subprocess).
