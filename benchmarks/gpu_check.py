@@ -8,7 +8,9 @@ On a machine with a CUDA GPU it runs, in order, and writes every figure to one J
 
 1. every ``gpu``-marked test (``pytest -m gpu``): the Triton kernels against SDPA in bf16 and
    fp32, the sdpa backend's CUDA pieces (masked ones included), a training step with no hidden
-   host synchronisation, CUDA-event timers;
+   host synchronisation (in one process, and as one rank of ring, Ulysses and FSDP jobs over
+   the fake backend), CUDA-event timers, and ``ringray train`` on the GPU through Ray worker
+   actors (where Ray is installed);
 2. ``ringray bench kernel``: forward and backward TFLOP/s of the Triton ring-step kernels
    against SDPA flash and cuDNN at 8k, 32k and 128k tokens, head_dim 64 and 128, causal,
    bf16, and the virtual-ring ratio (one GPU running the ring's steps against one SDPA call);

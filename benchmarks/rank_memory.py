@@ -91,6 +91,14 @@ def _status_kib(pid: int) -> dict[str, int]:
     return fields
 
 
+def _available_kib() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1])
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
+
+
 def _children(pid: int) -> list[int]:
     """Every descendant of ``pid``."""
     parents: dict[int, list[int]] = {}
@@ -124,8 +132,10 @@ class Sampler:
     """Samples the ranks under one torchrun process until told to stop."""
 
     launcher: int
-    max_total_kib: int
-    """Past this sum of the ranks' RSS the job is stopped (a shared machine's safety)."""
+    min_available_kib: int
+    """When the machine's available memory (``MemAvailable``) falls below this, the job is
+    stopped (a shared machine's safety). The sum of the ranks' RSS would overstate what
+    they take: each counts the shared libraries they all map."""
     samples: list[tuple[float, int, int]] = field(default_factory=list)  # (t, rank, rss KiB)
     hwm_kib: dict[int, int] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -143,9 +153,11 @@ class Sampler:
                     self.samples.append((now, rank, status["VmRSS"]))
                     self.hwm_kib[rank] = status["VmHWM"]
                     total += status["VmRSS"]
-            if total > self.max_total_kib:
-                print(f"   | stopping the job: its ranks hold {total / MIB:.1f} GiB, over "
-                      f"the {self.max_total_kib / MIB:.1f} GiB allowed", flush=True)
+            available = _available_kib()
+            if available < self.min_available_kib:
+                print(f"   | stopping the job: the machine has {available / MIB:.2f} GiB "
+                      f"available, under the {self.min_available_kib / MIB:.2f} GiB floor "
+                      f"(its ranks' RSS adds up to {total / MIB:.1f} GiB)", flush=True)
                 os.killpg(self.launcher, signal.SIGKILL)  # the session started for this job
                 return
             time.sleep(SAMPLE_SECONDS)
@@ -158,7 +170,7 @@ class Sampler:
 
 
 def _launch(repo: Path, nproc: int, sets: list[str], *,
-            max_total_kib: int) -> tuple[list[tuple[float, str]], Sampler, float, int]:
+            min_available_kib: int) -> tuple[list[tuple[float, str]], Sampler, float, int]:
     """One torchrun job; returns rank 0's lines with their arrival times, the samples, the
     start time and the exit code."""
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
@@ -169,7 +181,7 @@ def _launch(repo: Path, nproc: int, sets: list[str], *,
     start = time.monotonic()
     proc = subprocess.Popen(args, cwd=repo, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    sampler = Sampler(proc.pid, max_total_kib)
+    sampler = Sampler(proc.pid, min_available_kib)
     thread = threading.Thread(target=sampler.run, daemon=True)
     thread.start()
     lines = []
@@ -253,7 +265,8 @@ def run(args: argparse.Namespace) -> dict:
     for label, steps in (("train", args.steps), ("resume", args.steps + 1)):
         print(f"== {label}: {repo} dp {args.dp} x cp {args.cp}", flush=True)
         lines, sampler, start, code = _launch(repo, nproc, sets + [f"train.steps={steps}"],
-                                              max_total_kib=int(args.max_total_gib * MIB))
+                                              min_available_kib=int(args.min_available_gib
+                                                                    * MIB))
         if code != 0:
             raise SystemExit(f"{label}: torchrun exited {code}")
         end = time.monotonic()
@@ -337,8 +350,8 @@ def main() -> None:
     measure.add_argument("--json", help="also write the figures here")
     measure.add_argument("--export-shard-sizes", default="200MB",
                          help="besides the default, export with these --max-shard-size values")
-    measure.add_argument("--max-total-gib", type=float, default=16.0,
-                         help="stop the job when its ranks' RSS adds up to more")
+    measure.add_argument("--min-available-gib", type=float, default=0.5,
+                         help="stop the job when the machine's available memory falls below")
     args = parser.parse_args()
     if args.command == "make":
         make_checkpoint(args.size, args.path)
