@@ -50,6 +50,9 @@ SIZES = {
                  num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4),
 }
 SAMPLE_SECONDS = 0.05
+MALLOC_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_ARENA_MAX", "MALLOC_TRIM_THRESHOLD_")
+"""glibc's allocator settings, passed on to the ranks from this process's environment and
+recorded with the figures."""
 MIB = 1 << 20
 
 
@@ -138,6 +141,8 @@ class Sampler:
     they take: each counts the shared libraries they all map."""
     samples: list[tuple[float, int, int]] = field(default_factory=list)  # (t, rank, rss KiB)
     hwm_kib: dict[int, int] = field(default_factory=dict)
+    stopped: str | None = None
+    """Why the sampler stopped the job (the memory floor), or ``None``."""
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def run(self) -> None:
@@ -158,7 +163,16 @@ class Sampler:
                 print(f"   | stopping the job: the machine has {available / MIB:.2f} GiB "
                       f"available, under the {self.min_available_kib / MIB:.2f} GiB floor "
                       f"(its ranks' RSS adds up to {total / MIB:.1f} GiB)", flush=True)
-                os.killpg(self.launcher, signal.SIGKILL)  # the session started for this job
+                self.stopped = (f"stopped: {available / MIB:.2f} GiB available, ranks' RSS "
+                                f"{total / MIB:.1f} GiB")
+                # torchrun starts each rank in a session of its own: kill them by pid, then
+                # the launcher's session (started for this job)
+                for pid in ranks:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                os.killpg(self.launcher, signal.SIGKILL)
                 return
             time.sleep(SAMPLE_SECONDS)
 
@@ -261,25 +275,29 @@ def run(args: argparse.Namespace) -> dict:
                               global_batch=args.global_batch, checkpointing=args.checkpointing)
     nproc = args.dp * args.cp
     result = {"repo": str(repo), "dp": args.dp, "cp": args.cp, "baseline_kib": baseline,
-              "planned_peak_bytes": plan, "runs": []}
+              "planned_peak_bytes": plan, "runs": [],
+              "malloc": {name: os.environ[name] for name in MALLOC_VARIABLES
+                         if name in os.environ}}
     for label, steps in (("train", args.steps), ("resume", args.steps + 1)):
         print(f"== {label}: {repo} dp {args.dp} x cp {args.cp}", flush=True)
         lines, sampler, start, code = _launch(repo, nproc, sets + [f"train.steps={steps}"],
                                               min_available_kib=int(args.min_available_gib
                                                                     * MIB))
-        if code != 0:
-            raise SystemExit(f"{label}: torchrun exited {code}")
         end = time.monotonic()
         phases = _phases(lines, start, end)
-        built, model_line = next((at, text) for at, text in lines
-                                 if text.startswith("ringray:"))
+        built, model_line = next(((at, text) for at, text in lines
+                                  if text.startswith("ringray:")), (None, ""))
         model_seconds = re.search(r"(?:loaded|initialised) in ([0-9.]+) s", model_line)
         result["runs"].append({
-            "label": label, "seconds_to_model": built - start,
+            "label": label, "seconds_to_model": built - start if built else None,
             "model_seconds": float(model_seconds.group(1)) if model_seconds else None,
             "phases": _phase_peaks(sampler, phases),
             "hwm_kib": dict(sorted(sampler.hwm_kib.items())),
+            "failed": sampler.stopped or (f"torchrun exited {code}" if code else None),
         })
+        if code != 0:  # what ran so far is kept and printed; nothing later can run
+            print(f"{label}: {result['runs'][-1]['failed']}", flush=True)
+            return result
     streams = "--max-shard-size" in (repo / "ringray/cli/export.py").read_text()
     sizes = [None, *args.export_shard_sizes.split(",")] if streams else [None]
     result["exports"] = [_export(repo, run_dir, Path(args.work) / "export", size)
@@ -314,7 +332,8 @@ def print_table(result: dict) -> None:
     base, plan = result["baseline_kib"] * 1024, result["planned_peak_bytes"]
     print(f"\n{result['repo']}: dp {result['dp']} x cp {result['cp']}, baseline RSS "
           f"{base / MIB:.0f} MiB (torch + ringray imported), plan {plan / MIB:.0f} MiB above "
-          f"it = {(base + plan) / MIB:.0f} MiB")
+          f"it = {(base + plan) / MIB:.0f} MiB"
+          + "".join(f", {name}={value}" for name, value in result.get("malloc", {}).items()))
     print("| run | phase | peak RSS MiB (rank) |")
     print("|---|---|---|")
     for r in result["runs"]:
@@ -322,7 +341,11 @@ def print_table(result: dict) -> None:
             print(f"| {r['label']} | {name} | {kib / 1024:.0f} ({rank}) |")
         hwm = ", ".join(f"{kib / 1024:.0f}" for kib in r["hwm_kib"].values())
         print(f"| {r['label']} | VmHWM per rank | {hwm} |")
-        print(f"| {r['label']} | seconds to the model line | {r['seconds_to_model']:.1f} |")
+        if r.get("failed"):
+            print(f"| {r['label']} | did not finish | {r['failed']} |")
+        if r["seconds_to_model"] is not None:
+            print(f"| {r['label']} | seconds to the model line | "
+                  f"{r['seconds_to_model']:.1f} |")
         if r.get("model_seconds") is not None:
             print(f"| {r['label']} | seconds building and loading the model (rank 0) "
                   f"| {r['model_seconds']:.1f} |")
