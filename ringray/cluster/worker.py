@@ -46,6 +46,7 @@ from ringray.cluster.status import WorkerHealth
 from ringray.data import PasskeyReport
 from ringray.train import StepStats, TrainOptions
 from ringray.train.checkpoint import RunPlan
+from ringray.train.host_memory import release_freed_memory
 from ringray.train.memory_check import (
     WorkerMemoryRefused,
     WorkerShare,
@@ -64,6 +65,7 @@ class TrainWorker:
     """
 
     def __init__(self, *, rank: int, world_size: int) -> None:
+        release_freed_memory()  # the process trains from here on (ringray.train.host_memory)
         self.rank = rank
         self.world_size = world_size
         self.session: TrainingSession | None = None

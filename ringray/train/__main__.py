@@ -19,6 +19,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ringray.train.host_memory import release_freed_memory
+
 
 def _init_distributed() -> None:
     """Join the process group torchrun describes in the environment (if any)."""
@@ -45,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     is_rank0 = int(os.environ.get("RANK", "0")) == 0
+    release_freed_memory()
 
     from ringray.spec import JobSpecError, load_job_spec, write_run_spec
     from ringray.train.loop import run_training
