@@ -65,7 +65,7 @@ from ringray.attention.documents import Documents
 from ringray.attention.layouts import Layout
 from ringray.attention.merge import merge_into
 from ringray.attention.stats import NULL_TIMER, RingCallRecord, RingStats, StepTimer
-from ringray.attention.steps import Piece, PieceKind, RankPlan, chunk_pieces, plan_rank
+from ringray.attention.steps import Piece, PieceKind, RankPlan, plan_rank
 from ringray.attention.transfers import TransferPlan, plan_transfers
 from ringray.attention.ulysses import (
     UlyssesComm,
@@ -335,37 +335,28 @@ class _Buffers:
         self._free.append(tensor)
 
 
-# The own block is cut into about this many units when the transfer plan spreads it over the
-# steps (TransferPlan.own_schedule).
-OWN_UNITS = 16
-
-
 class _OwnBlock:
     """When this rank computes its own block in one phase. ``None`` from
     :meth:`TransferPlan.own_schedule`: all of it at its classic step (``spread`` is False).
-    Otherwise the block is cut into units (:func:`chunk_pieces`; one unit, the whole block,
+    Otherwise the block is cut into units (:attr:`RankPlan.own_units`; one unit, the whole block,
     for a fused backend) and :meth:`due` hands out, after each step's block, the units that
-    bring the share done up to the schedule's (the last step: all that is left)."""
+    bring the share done up to the schedule's (the last step: all that is left; nothing
+    when the block is not spread)."""
 
     def __init__(self, call: RingCall, phase: str) -> None:
-        rank = call.comm.rank
-        schedule = call.transfers.own_schedule(rank, phase)
+        schedule = call.transfers.own_schedule(call.comm.rank, phase)
         self.spread = schedule is not None and schedule[-1] > 0
+        self._units: list[tuple[tuple[Piece, ...] | None, float]] = []
         if not self.spread:
             return
         self._targets = [done / schedule[-1] for done in schedule]
-        units: tuple[tuple[Piece, ...] | None, ...]
-        if call.fused is not None:
-            units, weights = (None,), [1]
-        else:
-            units = chunk_pieces(call.plan.pieces[rank], OWN_UNITS)
-            weights = [sum(p.pairs for p in unit) for unit in units]
-        total = sum(weights) or 1
-        self._units = list(zip(units, [w / total for w in weights], strict=True))
+        self._units = [(None, 1.0)] if call.fused is not None else list(call.plan.own_units)
         self._done = 0.0
 
     def due(self, index: int) -> list[tuple[Piece, ...] | None]:
         """The units to compute at step ``index`` (``None``: the whole block, fused)."""
+        if not self.spread:
+            return []
         last = index == len(self._targets) - 1
         out = []
         while self._units and (last or self._done + self._units[0][1] / 2
@@ -441,7 +432,7 @@ class _RingAttention(torch.autograd.Function):
                 if step.block != rank:
                     last = (step.block, kv_block)
                     kv_buffers.give(kv_block)  # the forward receives nothing after its last
-            for unit in own.due(index) if own.spread else ():
+            for unit in own.due(index):
                 if unit is None:
                     _forward_block(call, rank, q_t, kv_own, out, lse, touched)
                 else:
@@ -518,7 +509,7 @@ class _RingAttention(torch.autograd.Function):
                 done[step.block] = partial
                 if kv_block is not kv_last:  # a saved tensor stays as saved (retain_graph)
                     kv_buffers.give(kv_block)
-            for unit in own.due(index) if own.spread else ():
+            for unit in own.due(index):
                 if unit is None:
                     _backward_block(call, rank, dout_t, q_t, kv_own, out_t, lse, delta, dq,
                                     dkv_own)

@@ -41,6 +41,7 @@ from __future__ import annotations
 import bisect
 import enum
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -186,6 +187,16 @@ class RankPlan:
     @property
     def pairs_per_block(self) -> tuple[int, ...]:
         return tuple(sum(p.pairs for p in block) for block in self.pieces)
+
+    @cached_property
+    def own_units(self) -> tuple[tuple[tuple[Piece, ...], float], ...]:
+        """The own block cut into about :data:`OWN_UNITS` units (:func:`chunk_pieces`), each
+        with its share of the block's pairs: what the ring computes step by step where the
+        transfer plan spreads the own block. Made once per plan (plans are cached)."""
+        units = chunk_pieces(self.pieces[self.rank], OWN_UNITS)
+        weights = [sum(p.pairs for p in unit) for unit in units]
+        total = sum(weights) or 1
+        return tuple((unit, weight / total) for unit, weight in zip(units, weights, strict=True))
 
 
 def plan_rank(
@@ -339,6 +350,11 @@ def plan_tiles(
 
 def _int32(values: torch.Tensor | None) -> torch.Tensor | None:
     return values.to(torch.int32) if values is not None else None
+
+
+# The own block is cut into about this many units when the transfer plan spreads it over the
+# steps (TransferPlan.own_schedule; RankPlan.own_units).
+OWN_UNITS = 16
 
 
 def chunk_pieces(pieces: tuple[Piece, ...], chunks: int) -> tuple[tuple[Piece, ...], ...]:
