@@ -25,6 +25,8 @@ The ``gpu`` tests are part of ``make gpu-check``; skipped without a GPU (conftes
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -78,19 +80,16 @@ def _steps_without_sync(trainer) -> None:
         trainer.ring_stats.totals = totals
 
 
-class _FakeJob:
+@contextmanager
+def _fake_job(world_size: int, rank: int = 1) -> Iterator[None]:
     """This process as rank ``rank`` of a job of ``world_size`` over the fake backend."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    def __init__(self, world_size: int, rank: int = 1) -> None:
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-
-        assert not dist.is_initialized()
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc) -> None:
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
         dist.destroy_process_group()
 
 
@@ -109,7 +108,7 @@ def test_a_training_step_has_no_hidden_sync(documents: bool) -> None:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_ring_ranks_training_step_has_no_hidden_sync(case: str) -> None:
     parallel, documents = CASES[case]
-    with _FakeJob(_world(parallel)):
+    with _fake_job(_world(parallel)):
         trainer = _trainer(torch.device("cuda"), parallel, documents,
                            seq_len=1024 * parallel["cp"], precision="bf16")
         _steps_without_sync(trainer)
@@ -121,7 +120,7 @@ def test_the_fake_backend_runs_a_ring_ranks_steps_on_cpu(case: str) -> None:
     out its rows and runs whole steps over the fake backend (gloo side groups cannot be made
     there; the agreement runs on the fake group itself)."""
     parallel, documents = CASES[case]
-    with _FakeJob(_world(parallel)):
+    with _fake_job(_world(parallel)):
         trainer = _trainer(torch.device("cpu"), parallel, documents,
                            seq_len=64 * parallel["cp"], precision="fp32")
         assert trainer.mesh.cp_rank == 1 % parallel["cp"]

@@ -25,7 +25,6 @@ are 3 MiB); a user who wants the last of it sets ``MALLOC_MMAP_THRESHOLD_=131072
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 
 M_MMAP_THRESHOLD = -3  # glibc's malloc.h
@@ -40,13 +39,12 @@ def release_freed_memory() -> bool:
     is not glibc."""
     if ENVIRONMENT_VARIABLE in os.environ:
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    # The process's own symbols (libc's among them): no library search, which on Linux
+    # would start ldconfig in a subprocess.
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "mallopt"):
         return False
-    if not hasattr(libc, "gnu_get_libc_version"):
-        return False
+    mallopt = libc.mallopt
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
     return mallopt(M_MMAP_THRESHOLD, THRESHOLD_BYTES) == 1
