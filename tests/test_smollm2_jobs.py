@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from ringray.cli import app
 from ringray.model.gguf_import import cached_model
+from ringray.spec import JobSpecError, load_job_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,3 +41,21 @@ def test_the_gpu_job_fits_one_node_of_8_h100s(job: str) -> None:
     header = "".join(line for line in (ROOT / job).read_text().splitlines(keepends=True)
                      if line.startswith("#"))
     assert verdict in " ".join(header.replace("#", " ").split())  # the header quotes it
+
+
+def test_a_laptop_plans_the_job_from_the_checkpoints_config_alone(
+        smollm2: Path, tmp_path: Path) -> None:
+    """Planning reads the job file and the model's config.json, nothing else: a directory
+    holding only config.json (no weights, no tokenizer) and a data path this machine lacks give
+    the same verdict, where `ringray train` would refuse both."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_bytes((smollm2 / "config.json").read_bytes())
+    job = "jobs/smollm2-32k-8xh100.yaml"
+    overrides = ["--set", f"model.from_pretrained={tmp_path / 'model'}",
+                 "--set", "run_dir=/proc/no-run-dir-here"]
+    result = CliRunner().invoke(app, ["plan", str(ROOT / job), "--cluster", "1x8xH100",
+                                      *overrides])
+    assert result.exit_code == 0, result.output
+    assert f"verdict: {JOBS[job][-1]}" in result.output
+    with pytest.raises(JobSpecError, match="model.from_pretrained: .*no model.safetensors"):
+        load_job_spec(ROOT / job, [o for o in overrides if o != "--set"])

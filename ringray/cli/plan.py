@@ -79,7 +79,9 @@ def plan(
                 f"--cluster: required, e.g. 4x8xH100 (NODESxGPUSxACCELERATOR), unless a custom "
                 f"device is given by --gpu-tflops, --link-gbps and --gpu-mem-gib (missing: "
                 f"{', '.join(missing)})")
-        spec = load_job_spec(spec_path, overrides)
+        # The job file and a pretrained model's config.json alone: the plan reads no weights,
+        # tokenizer or data, and creates no run directory (a laptop can plan a cluster job).
+        spec = load_job_spec(spec_path, overrides, check_paths=False)
         report = plan_job(spec.train_options(), shape, name=spec.name, documents=documents)
     except (JobSpecError, PlanError) as exc:
         fail(str(exc).replace("\n", "; "))
