@@ -70,7 +70,8 @@ prometheus:
 test: lint prometheus
 	$(PY) -m pytest -q -m "not slow"
 
-## The whole suite, the slow end-to-end submissions to Ray clusters included (about 3.5 minutes more).
+## The whole suite: `make test` plus the slow-marked runs (the end-to-end cluster submissions, the
+## real quickstart, the replica-group fault tests; roughly 15 minutes more, see README.md).
 test-all: lint prometheus
 	$(PY) -m pytest -q
 

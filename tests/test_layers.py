@@ -121,3 +121,21 @@ def test_the_circle_check_finds_a_circle() -> None:
                                ("pkg.c", "pkg.a"), ("pkg.d", "pkg.d"), ("pkg.e", "pkg.a")]:
         graph.add_import(importer=importer, imported=imported)
     assert import_circles(graph, "pkg") == [["pkg.a", "pkg.b", "pkg.c"], ["pkg.d"]]
+
+
+def test_the_architecture_page_states_the_contracts_pyproject_holds() -> None:
+    """docs/architecture.md names every contract of pyproject.toml beyond `layers` (their
+    count in words) and gives `model-order`'s layers as pyproject.toml orders them."""
+    import tomllib
+
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"][
+        "contracts"]
+    page = " ".join((ROOT / "docs" / "architecture.md").read_text().split())
+    words = {3: "Three", 4: "Four", 5: "Five", 6: "Six"}
+    assert f"{words[len(contracts) - 1]} more contracts:" in page
+    for contract in contracts:
+        if contract["id"] != "layers":
+            assert f"**{contract['id']}" in page.lower() or f"`{contract['id']}`" in page, \
+                contract["id"]
+    order = next(c for c in contracts if c["id"] == "model-order")["layers"]
+    assert f"`{' < '.join(reversed(order))}`" in page

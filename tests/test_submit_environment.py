@@ -43,6 +43,16 @@ def test_the_job_never_installs_torch_triton_or_ray():
     assert CLUSTER_PROVIDED == {"torch", "triton", "ray"}
 
 
+def test_the_service_page_names_what_a_job_installs():
+    """docs/service.md lists the packages a submission installs: a user building an image for
+    `--no-pip` from that list must not miss one (crc32c and torchft once were)."""
+    text = (ROOT / "docs" / "service.md").read_text()
+    start = text.index("**What\n`submit` brings:**")
+    listed = text[start:text.index(")", start)].split("(", 1)[1].replace("\n", " ")
+    assert {n.strip() for n in listed.split(",")} == {
+        requirement_name(r) for r in job_requirements()}
+
+
 def test_an_installed_ringray_reads_its_metadata(tmp_path, monkeypatch):
     """Without a checkout's pyproject.toml beside the package, the installed distribution's
     requirements count, optional extras left out."""

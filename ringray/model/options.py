@@ -84,7 +84,7 @@ class ModelOptions:
     RoPE overrides. Unset fields keep the preset's (or checkpoint's) value."""
 
     preset: PresetName = "debug"
-    """Model shape preset (debug: seconds on a CPU; small; 1b and 8b: Llama 3 block shapes)."""
+    """Model shape preset (debug: seconds on a CPU; small; 1b, 8b and 70b: Llama 3 block shapes)."""
     dim: ShapeOverride = None
     """Hidden size (default: the preset's); a multiple of n_heads with an even head size."""
     n_layers: ShapeOverride = None
