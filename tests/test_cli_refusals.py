@@ -139,3 +139,67 @@ def test_an_export_shard_size_that_is_not_a_size_is_refused_in_one_line(tmp_path
         line = _one_line(result.output)
         assert line.startswith(f"error: --max-shard-size: '{bad}' {why}"), line
     assert not (tmp_path / "out").exists()  # refused before anything is read or written
+
+
+def _checkpointed_run(tmp_path: Path, *, trained: list[str], described: list[str],
+                      steps: tuple[int, ...] = (2,)) -> Path:
+    """A run directory whose job.yaml describes the model ``described`` (overrides of the
+    quickstart), holding checkpoints at ``steps`` of the model ``trained``."""
+    from ringray.model import Transformer
+
+    run_dir = tmp_path / "run"
+    spec = load_job_spec(ROOT / "jobs/quickstart.yaml", [f"run_dir={run_dir}", *trained],
+                         check_paths=False)
+    options = spec.train_options()
+    torch.manual_seed(0)
+    weights = {k: v.detach() for k, v in Transformer(options.model).named_parameters()}
+    store = CheckpointStore(options.checkpoint_location, lineage="run")
+    for step in steps:
+        store.save(step, {"model": weights}, keep=3,
+                   extra={"model_config": options.model.to_dict()})
+    described_spec = load_job_spec(ROOT / "jobs/quickstart.yaml",
+                                   [f"run_dir={run_dir}", *described], check_paths=False)
+    write_run_spec(described_spec, run_dir=str(run_dir))
+    return run_dir
+
+
+def test_an_export_whose_job_file_describes_another_model_is_refused(
+        tmp_path: Path, monkeypatch) -> None:
+    """A 3-layer checkpoint under a job.yaml of 2 layers exported 2 layers, silently dropping
+    the third, before; a changed rope_theta was written into config.json."""
+    monkeypatch.chdir(ROOT)
+    for described, field in ((["model.n_layers=2"], "n_layers: 3 in the checkpoint, 2 now"),
+                             (["model.n_layers=3", "model.rope_theta=500.0"], "rope_theta")):
+        run_dir = _checkpointed_run(tmp_path / field.split(":")[0], trained=["model.n_layers=3"],
+                                    described=described)
+        out = tmp_path / f"out-{field.split(':')[0]}"
+        result = CliRunner().invoke(app, ["export", str(run_dir), "--hf", str(out)])
+        assert result.exit_code == 2, result.output
+        line = _one_line(result.output)
+        assert line.startswith("error: model: checkpoint ") and field in line, line
+        assert "the run directory's job.yaml does not describe it" in line
+        assert not (out / "config.json").exists()
+    run_dir = _checkpointed_run(tmp_path / "same", trained=["model.n_layers=3"],
+                                described=["model.n_layers=3"])
+    result = CliRunner().invoke(app, ["export", str(run_dir), "--hf", str(tmp_path / "ok")])
+    assert result.exit_code == 0, result.output
+    assert '"num_hidden_layers": 3' in (tmp_path / "ok" / "config.json").read_text()
+
+
+def test_an_export_names_the_damaged_checkpoints_it_passes_over(
+        tmp_path: Path, monkeypatch) -> None:
+    """Step 3's marker cut short: the export took step 2 without a word before."""
+    monkeypatch.chdir(ROOT)
+    run_dir = _checkpointed_run(tmp_path, trained=[], described=[], steps=(2, 3))
+    (marker,) = (run_dir / "checkpoints").glob("step_00000003*/ringray-complete.json")
+    marker.write_text('{"format": 3, "st')
+    result = CliRunner().invoke(app, ["export", str(run_dir), "--hf", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert "refused checkpoint " in result.output and "step_00000003" in result.output
+    assert "is unreadable (JSONDecodeError" in result.output
+    assert "exported step 2" in result.output
+    result = CliRunner().invoke(app, ["export", str(run_dir), "--hf", str(tmp_path / "out3"),
+                                      "--step", "3"])
+    assert result.exit_code == 2, result.output
+    line = _one_line(result.output)
+    assert "step_00000003" in line and "is unreadable (JSONDecodeError" in line, line

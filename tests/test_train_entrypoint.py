@@ -12,10 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from ringray.spec import load_job_spec
 from ringray.spec.run_spec import load_run_spec
-from ringray.train import StepStats
+from ringray.train import CheckpointStore, StepStats
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "jobs/quickstart.yaml"
@@ -88,6 +89,31 @@ def test_a_bad_spec_names_the_field(overrides: list[str], message: str) -> None:
 
 
 def test_a_mesh_that_does_not_fit_the_world_shows_the_arithmetic(tmp_path: Path) -> None:
-    result = _train(2, f"run_dir={tmp_path}", timeout=120)  # the spec asks for cp=4
+    """Refused before anything is touched: an earlier run's checkpoints stay where they are
+    although the job asks to move them aside (they were moved, then the job refused, before)."""
+    CheckpointStore(str(tmp_path / "checkpoints"), lineage="earlier").save(
+        5, {"w": torch.zeros(2)}, keep=3)
+    def listing() -> list[str]:  # the run directory's lock files aside
+        return sorted(p.name for p in tmp_path.iterdir() if "lock" not in p.name)
+
+    before = listing()
+    result = _train(2, f"run_dir={tmp_path}", "checkpoint.resume=false",
+                    "checkpoint.move_aside=true", timeout=120)  # the spec asks for cp=4
     assert result.returncode != 0
     assert "1 × 4 = 4, but the world has 2 rank(s)" in result.stderr
+    assert "moved" not in result.stdout + result.stderr
+    assert listing() == before == ["checkpoints"]
+
+
+def test_an_attention_backend_this_device_lacks_is_refused_by_its_field(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """'triton' on a CPU: refused before the model is built, naming the job's field and the
+    backends that work here (it said "backend: 'triton' does not support torch.float32 on
+    cpu" from inside the first forward before). Without the interpreter the tests use."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    result = _train(1, f"run_dir={tmp_path}", "parallel.cp=1", "parallel.attention_backend=triton",
+                    timeout=120)
+    assert result.returncode != 0
+    assert "parallel.attention_backend: 'triton' does not support torch.float32 on cpu (this " \
+           "job computes in float32 on cpu); use 'auto' or 'reference' or 'sdpa'" in result.stderr
+    assert "ringray:" not in result.stdout  # no model was built

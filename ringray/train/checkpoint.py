@@ -639,6 +639,24 @@ def _gathered_on_rank0(written: dict[str, FileChecksum]) -> dict[str, FileChecks
     return merged
 
 
+def check_model_config(store: CheckpointStore, ref: CheckpointRef, current: dict, *,
+                       remedy: str) -> None:
+    """Raise :class:`CheckpointError` (one line naming each field that differs and both
+    values, then ``remedy``) unless ``ref``'s marker records the model config ``current``
+    (``ModelOptions.to_dict()``): before any tensor is read, so another model's checkpoint is
+    reported as such, not as a tensor that does not fit, or, for a model with fewer layers,
+    not at all. A marker from before configs were recorded passes."""
+    saved = store.marker(ref).get("model_config")
+    if saved is None:
+        return
+    changed = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+    if changed:
+        detail = ", ".join(f"{k}: {saved.get(k)!r} in the checkpoint, {current.get(k)!r} "
+                           f"now" for k in changed)
+        raise CheckpointError(f"model: checkpoint {ref.location} was trained with a different "
+                              f"model ({detail}); {remedy}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunPlan:
     """How a run starts on a checkpoint location (:func:`plan_run`)."""

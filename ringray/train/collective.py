@@ -22,6 +22,11 @@ def distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def world_size() -> int:
+    """The process group's size, 1 outside torch.distributed."""
+    return dist.get_world_size() if distributed() else 1
+
+
 def is_rank0() -> bool:
     return not distributed() or dist.get_rank() == 0
 

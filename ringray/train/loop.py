@@ -18,11 +18,12 @@ from pathlib import Path
 
 from ringray.data import PasskeyReport
 from ringray.train.checkpoint import CheckpointRef
-from ringray.train.collective import is_rank0, on_rank0
+from ringray.train.collective import is_rank0, on_rank0, world_size
 from ringray.train.options import TrainOptions
 from ringray.train.run_dir import RunDirectory
 from ringray.train.session import Saved, TrainingSession, checkpoint_due, plan_session
 from ringray.train.step_stats import StepStats
+from ringray.train.trainer import check_world, default_device
 
 Log = Callable[[str], None]
 
@@ -84,6 +85,9 @@ def run_training(
 
 def _run(options: TrainOptions, run_dir: RunDirectory | None, *, stop_after: int | None,
          say: Log, on_start: Callable[[], None] | None) -> RunResult:
+    # A job this world or device cannot run is refused here, on every rank alike, before rank 0
+    # moves an earlier run aside (checkpoint.move_aside) or any model is built.
+    check_world(options, world_size(), default_device())
     run = on_rank0(lambda: plan_session(options))
     if run.moved_aside_to:
         say(f"moved the earlier run's checkpoints aside to {run.moved_aside_to}")

@@ -56,6 +56,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from ringray.accelerators import peak_flops_of
 from ringray.attention import Layout, RingAgreement, RingStats, make_layout
+from ringray.attention.backends import BACKENDS, resolve_backend
 from ringray.attention.backends.common import upload
 from ringray.attention.comm import RingComm, ring_transfer_seconds
 from ringray.data import (
@@ -67,9 +68,15 @@ from ringray.data import (
     make_source,
 )
 from ringray.model import RingContext, Transformer
-from ringray.train.checkpoint import CheckpointError, CheckpointRef, CheckpointStore
+from ringray.train.checkpoint import (
+    CheckpointError,
+    CheckpointRef,
+    CheckpointStore,
+    check_model_config,
+)
+from ringray.train.collective import world_size
 from ringray.train.materialize import build_model
-from ringray.train.mesh import Mesh, build_mesh, resolve_mesh_shape
+from ringray.train.mesh import Mesh, MeshShape, build_mesh, resolve_mesh_shape
 from ringray.train.options import TrainOptions, check_token_budget
 from ringray.train.replicas import ReplicaSync, check_replicas
 from ringray.train.schedule import learning_rate
@@ -115,6 +122,62 @@ def _peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def compute_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """The job's compute dtype: bf16, or ``None`` for float32 compute."""
+    if precision == "auto":
+        return torch.bfloat16 if device.type == "cuda" else None
+    if precision == "bf16":
+        return torch.bfloat16
+    if precision == "fp32":
+        return None
+    raise ValueError(f"train.precision: {precision!r} is not one of 'auto', 'fp32', 'bf16'")
+
+
+def check_world(options: TrainOptions, world: int,
+                device: torch.device) -> tuple[MeshShape, Layout]:
+    """What this world and device decide about the options, checked by arithmetic alone (no
+    collective, no file touched), so a job that cannot run here is refused before it moves an
+    earlier run aside or builds a model: the mesh degrees against the world size, the batch
+    and the sequence against the mesh, the attention backend against the device and the
+    compute dtype. Returns the mesh shape and the sequence layout.
+
+    Raises:
+        ValueError: naming the field and what would be valid.
+    """
+    shape = resolve_mesh_shape(world_size=world, dp=options.parallel.dp,
+                               cp=options.parallel.cp, ulysses=options.parallel.ulysses)
+    dp, train = shape.dp * options.parallel.dp_replicate, options.train
+    if train.global_batch % dp:
+        raise ValueError(
+            f"train.global_batch: {train.global_batch} sequences do not split evenly "
+            f"over dp={dp} replicas (use a multiple of {dp})"
+        )
+    try:
+        layout = make_layout(options.layout_kind, shape.cp, train.seq_len,
+                             ulysses=options.parallel.ulysses)
+    except ValueError as exc:
+        raise ValueError(f"train.seq_len: {str(exc).removeprefix('layout: ')}") from None
+    name = options.parallel.attention_backend
+    dtype = compute_dtype(train.precision, device) or torch.float32
+    try:
+        resolve_backend(name, device, dtype)
+    except ValueError as exc:
+        usable = [b for b in BACKENDS if b != name and _supports(b, device, dtype)]
+        raise ValueError(
+            f"parallel.attention_backend: {str(exc).removeprefix('backend: ')} (this job "
+            f"computes in {str(dtype).removeprefix('torch.')} on {device.type}); use "
+            f"{' or '.join(repr(b) for b in ['auto', *usable])}") from None
+    return shape, layout
+
+
+def _supports(name: str, device: torch.device, dtype: torch.dtype) -> bool:
+    try:
+        resolve_backend(name, device, dtype)
+    except ValueError:
+        return False
+    return True
+
+
 class Trainer:
     """Model, optimizer, data and ring of one rank; every rank of the mesh runs one, in step.
 
@@ -130,11 +193,7 @@ class Trainer:
         # This rank's link to the other replica groups (parallel.dp_replicate), or None.
         self.replicas = replicas
         self.device = device or default_device()
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        shape = resolve_mesh_shape(world_size=world, dp=options.parallel.dp,
-                                   cp=options.parallel.cp, ulysses=options.parallel.ulysses)
-        self.layout = self._checked_layout(
-            options, shape.dp * options.parallel.dp_replicate, shape.cp)
+        shape, self.layout = check_world(options, world_size(), self.device)
         self.mesh: Mesh = build_mesh(shape, device_type=self.device.type)
         self.ring_stats = RingStats()
         self.ring = RingContext(
@@ -167,7 +226,7 @@ class Trainer:
         )
         # The job's RNG state (checkpointed with it); the weights have their own streams.
         torch.manual_seed(options.train.seed)
-        self.compute_dtype = self._compute_dtype(options.train.precision)
+        self.compute_dtype = compute_dtype(options.train.precision, self.device)
         # With FSDP over more than one rank, FSDP's mixed precision gathers bf16 weights, so
         # there is nothing for autocast to cast; with one rank there is nothing to shard.
         self.sharded = options.parallel.fsdp and self.mesh.distributed
@@ -200,21 +259,6 @@ class Trainer:
         self._transfer_seconds_per_byte = self._measure_transfer_rate()
 
     # ----------------------------------------------------------------- setup
-    @staticmethod
-    def _checked_layout(options: TrainOptions, dp: int, cp: int) -> Layout:
-        """The layout of one sequence over the ring, once the batch and length fit the mesh."""
-        train = options.train
-        if train.global_batch % dp:
-            raise ValueError(
-                f"train.global_batch: {train.global_batch} sequences do not split evenly "
-                f"over dp={dp} replicas (use a multiple of {dp})"
-            )
-        try:
-            return make_layout(options.layout_kind, cp, train.seq_len,
-                               ulysses=options.parallel.ulysses)
-        except ValueError as exc:
-            raise ValueError(f"train.seq_len: {str(exc).removeprefix('layout: ')}") from None
-
     def _make_model(self) -> Transformer:
         """The model on this device, built on ``meta``, sharded (FSDP) or whole, and only
         then given this rank's weights: fresh from ``train.seed`` or read from the pretrained
@@ -240,16 +284,6 @@ class Trainer:
              {"params": no_decay, "weight_decay": 0.0}],
             lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
         )
-
-    def _compute_dtype(self, precision: str) -> torch.dtype | None:
-        """bf16, or ``None`` for float32 compute."""
-        if precision == "auto":
-            return torch.bfloat16 if self.device.type == "cuda" else None
-        if precision == "bf16":
-            return torch.bfloat16
-        if precision == "fp32":
-            return None
-        raise ValueError(f"train.precision: {precision!r} is not one of 'auto', 'fp32', 'bf16'")
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -481,18 +515,9 @@ class Trainer:
         """Raise :class:`CheckpointError` (one line naming the fields and both values) if
         ``ref`` was trained with another model: before any tensor is read, so a changed shape
         is reported as such rather than as a tensor that does not fit."""
-        saved = store.marker(ref).get("model_config")
-        if saved is None:  # a checkpoint from before configs were in the marker
-            return
-        current = self.options.model.to_dict()
-        changed = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
-        if changed:
-            detail = ", ".join(f"{k}: {saved.get(k)!r} in the checkpoint, {current.get(k)!r} "
-                               f"now" for k in changed)
-            raise CheckpointError(
-                f"model: checkpoint {ref.location} was trained with a different model "
-                f"({detail}); start a new run (another checkpoint.path) or restore the "
-                f"model's settings")
+        check_model_config(store, ref, self.options.model.to_dict(),
+                           remedy="start a new run (another checkpoint.path) or restore the "
+                                  "model's settings")
 
     def load_checkpoint(self, store: CheckpointStore, ref: CheckpointRef) -> None:
         """Restore weights, optimizer, schedule position, loader position and RNG state.
