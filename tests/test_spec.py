@@ -211,6 +211,11 @@ def test_load_job_spec_file_errors(tmp_path: Path) -> None:
     broken.write_text("train: [1, 2\n")
     with pytest.raises(JobSpecError, match=r"broken.yaml: not valid YAML"):
         load_job_spec(broken)
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes(b"name: caf\xe9\n")  # a traceback through read_text, before
+    with pytest.raises(JobSpecError, match=r"latin1.yaml: not UTF-8 text \(byte 9: "
+                                           r"b'\\xe9'\); save the job spec as UTF-8"):
+        load_job_spec(latin1)
     empty = tmp_path / "empty.yaml"
     empty.write_text("")
     assert load_job_spec(empty) == JobSpec()
@@ -371,6 +376,22 @@ def test_local_paths_are_checked_at_load_time(tmp_path: Path) -> None:
     with pytest.raises(JobSpecError, match=r"data.path: '.*file' is a file"):
         load_job_spec(path, [f"data.path={tmp_path / 'file'}"])
     assert load_job_spec(path, ["checkpoint.path=s3://bucket/job"]).checkpoint.path
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_output_directories_are_tried_for_real_not_by_their_permission_bits(
+        tmp_path: Path) -> None:
+    """/proc's bits say writable to root, but nothing can be made there: the job trained to its
+    first save, then failed (torchrun with a traceback; Ray retried it three times), before."""
+    path = tmp_path / "job.yaml"
+    path.write_text(f"run_dir: {tmp_path / 'run'}\n")
+    with pytest.raises(JobSpecError, match=r"checkpoint.path: '/proc/ringray-ckpt' cannot be "
+                                           r"created: /proc is not writable \(no such file"):
+        load_job_spec(path, ["checkpoint.path=/proc/ringray-ckpt"])
+    with pytest.raises(JobSpecError, match=r"run_dir: '/proc' is not writable \("):
+        load_job_spec(path, ["run_dir=/proc"])
+    assert load_job_spec(path).run_dir == str(tmp_path / "run")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ringray-probe")]
 
 
 def test_intervals_longer_than_the_run_are_allowed() -> None:

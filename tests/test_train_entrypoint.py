@@ -85,7 +85,9 @@ def test_a_short_job_writes_its_run_directory_and_resumes(tmp_path: Path) -> Non
 def test_a_bad_spec_names_the_field(overrides: list[str], message: str) -> None:
     result = _train(1, *overrides, timeout=120)
     assert result.returncode != 0
-    assert message in result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    # one line naming the file once (the path stood alone on a line of its own before)
+    assert line.startswith(f"error: {QUICKSTART}: ") and message in line
 
 
 def test_a_mesh_that_does_not_fit_the_world_shows_the_arithmetic(tmp_path: Path) -> None:

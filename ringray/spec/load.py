@@ -11,6 +11,7 @@ run here, not in the schema, so a spec meant for another machine still parses
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import yaml
@@ -62,19 +63,38 @@ def _nearest_existing(path: Path) -> Path:
 
 
 def _check_output_dir(field: str, location: str) -> None:
-    """A local directory that exists, or whose nearest existing ancestor is a writable one."""
+    """A local directory that exists and takes new files, or whose nearest existing ancestor
+    takes new directories. Tried for real (a temporary entry made and removed at once):
+    permission bits say nothing for root or a pseudo-filesystem such as /proc, where the
+    write failed only at the first save, after the training."""
     path = Path(location).absolute()
     if path.exists():
         if not path.is_dir():
             raise JobSpecError(f"{field}: {location!r} is a file; give a directory")
+        why = _cannot_write(path)
+        if why:
+            raise JobSpecError(f"{field}: {location!r} is not writable ({why}); give a "
+                               f"directory you can write to")
         return
     ancestor = _nearest_existing(path.parent)
     if not ancestor.is_dir():
         raise JobSpecError(f"{field}: {location!r} cannot be created: {ancestor} is a file; "
                            f"give a path under a directory")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
+    why = _cannot_write(ancestor)
+    if why:
         raise JobSpecError(f"{field}: {location!r} cannot be created: {ancestor} is not "
-                           f"writable; give a path under a directory you can write to")
+                           f"writable ({why}); give a path under a directory you can write to")
+
+
+def _cannot_write(directory: Path) -> str | None:
+    """Why a new entry cannot be made in ``directory`` (None when one can): a temporary
+    directory is made there and removed."""
+    try:
+        probe = tempfile.mkdtemp(prefix=".ringray-probe-", dir=directory)
+    except OSError as exc:
+        return (exc.strerror or str(exc)).lower()
+    os.rmdir(probe)
+    return None
 
 
 def check_local_paths(spec: JobSpec) -> None:
@@ -154,6 +174,10 @@ def load_job_spec(
         data = load_yaml(path.read_text()) or {}
     except OSError as exc:
         raise JobSpecError(f"{path}: cannot read the job spec ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise JobSpecError(f"{path}: not UTF-8 text (byte {exc.start}: "
+                           f"{exc.object[exc.start:exc.start + 1]!r}); save the job spec as "
+                           f"UTF-8") from None
     except yaml.YAMLError as exc:
         raise JobSpecError(f"{path}: not valid YAML ({describe_yaml_error(exc)})") from None
     if not isinstance(data, dict):

@@ -55,8 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec = load_job_spec(args.config, args.overrides)
     except JobSpecError as exc:
-        if is_rank0:
-            print(f"error: {args.config}:\n{exc}", file=sys.stderr)
+        if is_rank0:  # one line, naming the file once (as `ringray train` does)
+            text = str(exc).replace("\n", "; ")
+            where = "" if text.startswith(str(args.config)) else f"{args.config}: "
+            print(f"error: {where}{text}", file=sys.stderr)
         return 2
     _init_distributed()
     options = spec.train_options()
