@@ -94,3 +94,20 @@ def test_dp2_checkpoint_continues_at_dp1(tmp_path: Path) -> None:
     got = weights_from_checkpoint(changed(moved, parallel={"dp": 1}))
     for name, want in first[0][0]["weights"].items():
         torch.testing.assert_close(got[name], want, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_a_resume_with_other_data_settings_names_the_job_field(tmp_path: Path) -> None:
+    """It said "seed: checkpoint has seed=0 but this loader has seed=5" before: neither the
+    job's field (data.seed, not train.seed) nor a way out."""
+    options = tiny_options(str(tmp_path / "run"), train={"steps": 2})
+    run_gloo_ranks(1, rank_run_training, [(options, None)])
+    longer = changed(options, train={"steps": 3})
+    cases = [(changed(longer, data={"seed": 5}), "data.seed: the checkpoint was trained with 0, "
+                                                  "this run has 5"),
+             (changed(longer, train={"steps": 3, "global_batch": 4}),
+              "train.global_batch: the checkpoint was trained with 2, this run has 4")]
+    for other, message in cases:
+        with pytest.raises(RanksFailed) as failed:
+            run_gloo_ranks(1, rank_run_training, [(other, None)])
+        assert message in str(failed.value), str(failed.value)[-2000:]
+        assert "checkpoint.resume: false with checkpoint.move_aside: true" in str(failed.value)

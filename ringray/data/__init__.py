@@ -17,7 +17,7 @@ Pure Python and torch (no Ray, no pydantic), so it runs inside any torchrun work
     print(report.format_table())
 """
 
-from ringray.data.loader import IGNORE_LABEL, PackedBatch, PackedLoader
+from ringray.data.loader import IGNORE_LABEL, LoaderStateMismatch, PackedBatch, PackedLoader
 from ringray.data.passkey import (
     MIN_FILLER_TOKENS,
     PASSKEY_DIGIT_CHANCE,
@@ -46,6 +46,7 @@ from ringray.data.sources import (
 from ringray.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 __all__ = [
+    "LoaderStateMismatch",
     "IGNORE_LABEL",
     "PackedBatch",
     "MIN_FILLER_TOKENS",

@@ -75,6 +75,16 @@ def _check_positive_int(name: str, value: int, minimum: int) -> None:
         raise ValueError(f"{name}: {value!r} must be an integer >= {minimum}")
 
 
+class LoaderStateMismatch(ValueError):
+    """A saved loader position taken with other stream settings: the same batch index would
+    be other data. ``name`` is the loader's setting (``seed``, ``seq_len``, ``global_batch``)."""
+
+    def __init__(self, name: str, saved: int, current: int) -> None:
+        super().__init__(f"{name}: checkpoint has {name}={saved} but this loader has "
+                         f"{name}={current}; the same batch index would be different data")
+        self.name, self.saved, self.current = name, saved, current
+
+
 class PackedLoader:
     """Batches of packed sequences for one DP rank, addressable by global batch index."""
 
@@ -337,17 +347,19 @@ class PackedLoader:
             "global_batch": self.global_batch,
         }
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resume at ``state["next_index"]``; ValueError if the stream settings differ."""
+    def check_state(self, state: dict[str, int]) -> None:
+        """Raise :class:`LoaderStateMismatch` unless ``state`` was saved with this loader's
+        stream settings (seed, sequence length, global batch), ValueError if it lacks one."""
         for name in ("seed", "seq_len", "global_batch"):
             if name not in state:
                 raise ValueError(f"state: missing {name!r}")
             saved, current = state[name], getattr(self, name)
             if saved != current:
-                raise ValueError(
-                    f"{name}: checkpoint has {name}={saved} but this loader has "
-                    f"{name}={current}; the same batch index would be different data"
-                )
+                raise LoaderStateMismatch(name, saved, current)
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume at ``state["next_index"]``; ValueError if the stream settings differ."""
+        self.check_state(state)
         next_index = state.get("next_index")
         if isinstance(next_index, bool) or not isinstance(next_index, int) or next_index < 0:
             raise ValueError(f"next_index: {next_index!r} must be an integer >= 0")

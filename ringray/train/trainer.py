@@ -63,6 +63,7 @@ from ringray.data import (
     IGNORE_LABEL,
     ByteTokenizer,
     HFTokenizer,
+    LoaderStateMismatch,
     PackedLoader,
     Tokenizer,
     make_source,
@@ -120,6 +121,11 @@ def _peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+# The loader's stream settings, by the job-file field that sets each.
+LOADER_FIELDS = {"seed": "data.seed", "seq_len": "train.seq_len",
+                 "global_batch": "train.global_batch"}
 
 
 def compute_dtype(precision: str, device: torch.device) -> torch.dtype | None:
@@ -542,7 +548,18 @@ class Trainer:
     def load_state_dict(self, state: dict) -> None:
         """Restore weights, optimizer, loader position, step and RNG from a state shaped as
         :meth:`state_dict`'s: a checkpoint's, or a live peer's when a replica group heals
-        (:mod:`ringray.train.replicas`)."""
+        (:mod:`ringray.train.replicas`). The loader's settings are compared first: a
+        checkpoint taken with another ``data.seed``, ``train.seq_len`` or
+        ``train.global_batch`` raises :class:`CheckpointError` naming the job field."""
+        try:
+            self.loader.check_state(state["loader"])
+        except LoaderStateMismatch as exc:
+            field = LOADER_FIELDS[exc.name]
+            raise CheckpointError(
+                f"{field}: the checkpoint was trained with {exc.saved}, this run has "
+                f"{exc.current}, so its next step would read other data; set {field}: "
+                f"{exc.saved} to resume it, or start a new run (another checkpoint.path, or "
+                f"checkpoint.resume: false with checkpoint.move_aside: true)") from None
         set_state_dict(
             self.model, self.optimizer,
             model_state_dict=state["model"], optim_state_dict=state["optimizer"],
