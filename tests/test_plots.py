@@ -131,6 +131,16 @@ def test_cli_errors_are_one_line(tmp_path):
     (tmp_path / "run" / "steps.jsonl").write_text("")
     result = CliRunner().invoke(app, ["report", str(tmp_path / "run")])
     assert result.exit_code == 2 and "no steps recorded" in " ".join(result.output.split())
+    run = _write_run(tmp_path / "good")
+    for out, message in ((tmp_path / "good" / "steps.jsonl", "is a file; give a directory"),
+                         (Path("/proc/ringray-report"), "cannot be created: /proc is not "
+                                                         "writable")):
+        if not out.parent.exists():
+            continue
+        result = CliRunner().invoke(app, ["report", str(run), "--out", str(out)])
+        output = " ".join(result.output.split())  # a traceback through savefig, before
+        assert result.exit_code == 2, result.output
+        assert output.startswith(f"error: --out: '{out}' ") and message in output, output
 
 
 def test_peer_wait_is_plotted_beside_the_overlap_on_its_own_axis():

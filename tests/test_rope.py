@@ -115,7 +115,7 @@ def test_rope_overrides_keep_change_or_replace_the_scaling() -> None:
     [
         (RopeOptions(factor=2.0), r"^rope\.factor: has no effect without a scaling kind"),
         (RopeOptions(scaling="yarn", factor=2.0),
-         r"^rope\.original_max_position_embeddings: None; scaling 'yarn' needs"),
+         r"^rope\.original_max_position_embeddings: not set; scaling 'yarn' needs"),
         (RopeOptions(scaling="llama3", factor=8.0, original_max_position_embeddings=8192,
                      low_freq_factor=4.0, high_freq_factor=1.0),
          r"^rope\.high_freq_factor: llama3 scaling needs 0 < low_freq_factor < high_freq"),

@@ -66,6 +66,18 @@ def test_a_directory_without_job_yaml_is_one_line(tmp_path: Path) -> None:
         load_run_spec(tmp_path)
 
 
+def test_an_empty_or_undecodable_job_yaml_is_one_line_naming_it(tmp_path: Path) -> None:
+    """An empty job.yaml was read as the all-defaults spec ("parallel.cp: required by
+    `ringray train`"); one not in UTF-8 was a traceback."""
+    (tmp_path / "job.yaml").write_text("")
+    with pytest.raises(JobSpecError, match=r"job.yaml: empty, so not the job file `ringray "
+                                           r"train` wrote"):
+        load_run_spec(tmp_path)
+    (tmp_path / "job.yaml").write_bytes(b"name: caf\xe9\n")
+    with pytest.raises(JobSpecError, match=r"job.yaml: not UTF-8 text \(byte 9"):
+        load_run_spec(tmp_path)
+
+
 def _status(state: str, *, stepped: bool = False) -> JobStatus:
     return JobStatus(job_name="j", state=state, step=0, total_steps=10, dp=0, target_dp=1,
                      cp=2, restarts=(), failures_used=0, resizes=0,

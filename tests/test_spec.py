@@ -175,6 +175,9 @@ def test_apply_overrides_parses_yaml_values() -> None:
         ("train.steps", "--set 'train.steps': expected section.key=value"),
         ("=3", "--set '=3': expected section.key=value"),
         ("name.first=1", "name.first: 'name' is not a section"),
+        (".steps=3", "--set '.steps=3': a field name has an empty part; expected "
+                     "section.key=value, e.g. train.steps=3"),
+        ("train..steps=3", "--set 'train..steps=3': a field name has an empty part"),
     ],
 )
 def test_malformed_override(override: str, needle: str) -> None:
@@ -194,6 +197,11 @@ def test_load_job_spec_with_overrides(tmp_path: Path) -> None:
         load_job_spec(path, ["train.seq_len=66"])
     with pytest.raises(JobSpecError, match=r"train.stepz"):
         load_job_spec(path, ["train.stepz=1"])
+    # A mapping merges into its section: the file's seq_len and an earlier --set survive
+    # (the whole section was replaced, silently, before).
+    spec = load_job_spec(path, ["train.global_batch=4", "train={steps: 3, seed: 2}"])
+    assert (spec.train.steps, spec.train.seq_len, spec.train.global_batch, spec.train.seed) \
+        == (3, 64, 4, 2)
 
 
 def test_load_job_spec_file_errors(tmp_path: Path) -> None:

@@ -73,6 +73,15 @@ def test_a_short_job_writes_its_run_directory_and_resumes(tmp_path: Path) -> Non
     assert again.returncode == 0, again.stderr[-3000:]
     assert "(step 3)" in again.stdout and "step     4/4" in again.stdout
 
+    # Below the checkpoint's step: refused in one line (it said "resumed" and exited 0 with
+    # nothing trained, before), as `ringray train` refuses it.
+    below = _train(2, *_small_job(run_dir), "train.steps=2")
+    assert below.returncode != 0
+    (line,) = [line for line in below.stderr.splitlines() if line.startswith("error: ")]
+    assert "train.steps: 2 is below step 4 of the checkpoint this run resumes" in line
+    assert "set train.steps to 4 or more" in line
+    assert load_run_spec(run_dir).train_options().train.steps == 4  # job.yaml left as it was
+
 
 @pytest.mark.parametrize(
     ("overrides", "message"),

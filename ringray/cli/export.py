@@ -52,7 +52,7 @@ def export(
     import torch
 
     from ringray.spec import JobSpecError
-    from ringray.spec.load import _check_output_dir
+    from ringray.spec.load import check_output_dir
     from ringray.train.checkpoint import CheckpointError
     from ringray.train.export import export_hf
 
@@ -64,7 +64,7 @@ def export(
         fail(str(exc))
     if "://" not in hf:
         try:
-            _check_output_dir("--hf", hf)
+            check_output_dir("--hf", hf)
         except JobSpecError as exc:
             fail(str(exc))
     options = load_run(run, [], check_paths=False).train_options()

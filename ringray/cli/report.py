@@ -20,10 +20,16 @@ def report(
     Example: ringray report runs/quickstart
     """
     from ringray.plots import ReportError, write_report
+    from ringray.spec import JobSpecError
+    from ringray.spec.load import check_output_dir
 
     try:
+        if out is not None:
+            check_output_dir("--out", out)
         paths = write_report(run, out)
-    except ReportError as exc:
+    except (ReportError, JobSpecError) as exc:
         fail(str(exc))
+    except OSError as exc:  # the default RUN/report in a run directory that is read-only
+        fail(f"{exc.filename or out or run}: {exc.strerror or exc}")
     for path in paths:
         typer.echo(str(path))

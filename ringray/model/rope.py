@@ -75,8 +75,10 @@ class RopeScaling:
         if self.kind in ("llama3", "yarn"):
             original = self.original_max_position_embeddings
             if original is None or original < 1:
-                raise ValueError(f"original_max_position_embeddings: {original}; scaling "
-                                 f"{self.kind!r} needs the pretraining context length (>= 1)")
+                given = "not set" if original is None else str(original)
+                raise ValueError(f"original_max_position_embeddings: {given}; scaling "
+                                 f"{self.kind!r} needs the pretraining context length (>= 1), "
+                                 f"e.g. 8192")
         if self.kind == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
             raise ValueError(f"high_freq_factor: llama3 scaling needs 0 < low_freq_factor < "
                              f"high_freq_factor, got {self.low_freq_factor} and "

@@ -23,6 +23,9 @@ from ringray.train import TrainOptions
 
 
 def _set_dotted(data: dict, dotted: str, value: object) -> None:
+    """Set ``data[a][b]... = value`` for ``dotted`` ``a.b...``. A mapping given for a section
+    merges into it (``train={steps: 3}`` changes train.steps and keeps the section's other
+    fields, as ``train.steps=3`` does); ``null`` for a field restores its default."""
     *parents, leaf = dotted.split(".")
     node = data
     for part in parents:
@@ -30,6 +33,10 @@ def _set_dotted(data: dict, dotted: str, value: object) -> None:
         if not isinstance(child, dict):
             raise JobSpecError(f"{dotted}: {part!r} is not a section")
         node = child
+    if isinstance(value, dict) and isinstance(node.get(leaf), dict):
+        for key, item in value.items():
+            _set_dotted(node, f"{leaf}.{key}", item)
+        return
     node[leaf] = value
 
 
@@ -39,6 +46,9 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise JobSpecError(f"--set {item!r}: expected section.key=value")
+        if not all(part.strip() for part in key.split(".")):
+            raise JobSpecError(f"--set {item!r}: a field name has an empty part; expected "
+                               f"section.key=value, e.g. train.steps=3")
         try:
             value = load_yaml(raw)
         except yaml.YAMLError as exc:
@@ -62,7 +72,7 @@ def _nearest_existing(path: Path) -> Path:
     return path
 
 
-def _check_output_dir(field: str, location: str) -> None:
+def check_output_dir(field: str, location: str) -> None:
     """A local directory that exists and takes new files, or whose nearest existing ancestor
     takes new directories. Tried for real (a temporary entry made and removed at once):
     permission bits say nothing for root or a pseudo-filesystem such as /proc, where the
@@ -113,10 +123,10 @@ def check_local_paths(spec: JobSpec) -> None:
     options = spec.train_options()
     if options.pretrained is not None:
         check_pretrained(options)
-    _check_output_dir("run_dir", options.run_dir)
+    check_output_dir("run_dir", options.run_dir)
     if "://" not in options.checkpoint_location:
         field = "checkpoint.path" if spec.checkpoint.path else "run_dir"
-        _check_output_dir(field, options.checkpoint_location)
+        check_output_dir(field, options.checkpoint_location)
 
 
 def check_data(path: str) -> None:

@@ -111,7 +111,8 @@ def job_spec_reference() -> str:
         "`python -m ringray.cli.reference --write` from `ringray.spec.JobSpec`, "
         "whose sections are the components' own option dataclasses (each field is declared "
         "once, beside the code that reads it). Unknown fields and values of the wrong type "
-        "are errors; `--set section.field=value` overrides any of them.",
+        "are errors; `--set section.field=value` overrides any of them (a mapping, "
+        "`--set 'train={steps: 3, seq_len: 8192}'`, merges into its section).",
         "",
         "**Top level**",
         "",

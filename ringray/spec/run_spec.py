@@ -93,8 +93,13 @@ def load_run_spec(run: str | Path, overrides: list[str] | None = None, *,
                            f"train` wrote has one once its job has started)")
     try:
         data = load_yaml(path.read_text())
-    except (OSError, yaml.YAMLError):
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
         data = None  # load_job_spec below reports it, naming the file
+    else:
+        if not data:
+            raise JobSpecError(f"{path}: empty, so not the job file `ringray train` wrote when "
+                               f"the run started; restore it, or train the run's job file "
+                               f"again with run_dir: {run}")
     moved = relocation(data, run_dir) if isinstance(data, dict) else {}
     # JSON strings are YAML scalars: a path with ': ' or '#' in it stays one string.
     relocated = [f"{key}={json.dumps(value)}" for key, value in moved.items()]

@@ -94,6 +94,14 @@ def _run(options: TrainOptions, run_dir: RunDirectory | None, *, stop_after: int
         if run_dir is not None:
             for moved in run_dir.moved_aside(run.moved_aside_to):
                 say(f"moved the earlier run's log aside to {moved}")
+    newest = run.restore[0] if run.restore else None  # every rank holds rank 0's plan
+    if newest is not None and newest.step > options.train.steps:
+        # Refused alike on every rank, before a model is built or job.yaml rewritten (as
+        # `ringray train` refuses it before Ray starts).
+        raise ValueError(
+            f"train.steps: {options.train.steps} is below step {newest.step} of the checkpoint "
+            f"this run resumes ({newest.location}); set train.steps to {newest.step} or more, "
+            f"or give a new run_dir to train afresh")
     session = TrainingSession(options, run)
     shape, train = session.trainer.mesh.shape, options.train
     say(
