@@ -54,6 +54,23 @@ def test_a_line_that_goes_bad_after_the_scan_is_named_when_read(tmp_path: Path) 
         source.read_document(1)
 
 
+def test_the_trainer_names_the_job_field_for_a_bad_line(tmp_path: Path) -> None:
+    """A bad line past the first (which the up-front check does not read) fails the trainer's
+    build naming data.path, the file and the line (it named only the file before)."""
+    from train_cases import changed, tiny_options
+
+    from ringray.train import Trainer
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.jsonl").write_bytes(b'{"text": "first document"}\n{"text": bad}\n')
+    options = changed(tiny_options(str(tmp_path / "run")),
+                      data={"source": "files", "path": str(corpus)})
+    with pytest.raises(ValueError, match=rf"^data\.path: {re.escape(str(corpus / 'a.jsonl'))}"
+                                         rf":2: not valid JSON"):
+        Trainer(options)
+
+
 # ------------------------------------------------------------------ before Ray and the workers
 def _nothing(corpus: Path) -> None:
     (corpus / "README.md").write_text("not training text")

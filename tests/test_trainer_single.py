@@ -101,7 +101,9 @@ def test_trains_on_a_directory_of_text(tmp_path: Path) -> None:
     [
         ({"model": None}, "model.vocab_size: 256 is smaller than the tokenizer's 320"),
         ({"train": {"precision": "fp16"}}, "train.precision: 'fp16' is not one of"),
-        ({"parallel": {"dp": 2}}, "cp = world size / dp = 1 / 2: not a whole number"),
+        ({"parallel": {"dp": 2}}, "cp = world size / dp = 1 / 2: not a whole number; give "
+                                  "parallel.dp a divisor of 1 (1) or run on a multiple of 2 "
+                                  "ranks"),
         ({"parallel": {"dp": 2, "cp": 1}}, "2 × 1 = 2, but the world has 1 rank(s)"),
     ],
 )

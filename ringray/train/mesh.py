@@ -79,14 +79,16 @@ def resolve_mesh_shape(*, world_size: int, dp: int | None, cp: int | None,
         if world_size % dp:
             raise ValueError(
                 f"parallel.cp: cannot infer cp = world size / dp = {world_size} / {dp}: "
-                f"not a whole number"
+                f"not a whole number; give parallel.dp a divisor of {world_size} "
+                f"({_divisors(world_size)}) or run on a multiple of {dp} ranks"
             )
         cp = world_size // dp
     elif dp is None:
         if world_size % cp:
             raise ValueError(
                 f"parallel.dp: cannot infer dp = world size / cp = {world_size} / {cp}: "
-                f"not a whole number"
+                f"not a whole number; give parallel.cp a divisor of {world_size} "
+                f"({_divisors(world_size)}) or run on a multiple of {cp} ranks"
             )
         dp = world_size // cp
     if dp * cp != world_size:
@@ -100,6 +102,10 @@ def resolve_mesh_shape(*, world_size: int, dp: int | None, cp: int | None,
             f"a divisor of {cp}"
         )
     return MeshShape(dp=dp, cp=cp, ulysses=ulysses)
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
 MESH_DIMS = ("dp", "ring", "ulysses")

@@ -221,11 +221,15 @@ class Trainer:
         # A replica group reads its own slice of each global batch (ringray.train.replicas).
         data_rank, data_size = ((self.mesh.dp_rank, shape.dp) if replicas is None
                                 else replicas.loader_slot(self.mesh.dp_rank, shape.dp))
+        try:
+            source = make_source(options.data.source, options.data.path,
+                                 seq_len=options.train.seq_len, seed=options.data.seed)
+        except ValueError as exc:  # "FILE:LINE: not valid JSON ...": name the job's field
+            if options.data.source != "files" or str(exc).startswith("data."):
+                raise
+            raise ValueError(f"data.path: {exc}") from None
         self.loader = PackedLoader(
-            make_source(
-                options.data.source, options.data.path, seq_len=options.train.seq_len,
-                seed=options.data.seed,
-            ),
+            source,
             tokenizer=self.tokenizer,
             seq_len=options.train.seq_len, global_batch=options.train.global_batch,
             dp_rank=data_rank, dp_size=data_size, seed=options.data.seed,
