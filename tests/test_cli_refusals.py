@@ -203,3 +203,18 @@ def test_an_export_names_the_damaged_checkpoints_it_passes_over(
     assert result.exit_code == 2, result.output
     line = _one_line(result.output)
     assert "step_00000003" in line and "is unreadable (JSONDecodeError" in line, line
+
+
+@pytest.mark.parametrize(("args", "line"), [
+    (["--cluster", "[/b]"],  # rich markup: a MarkupError traceback before
+     "error: --cluster: '[/b]' is not of the form NODESxGPUSxACCELERATOR, e.g. 4x8xH100"),
+    (["--cluster", "1x8xH100", "--documents", "lognormal:100:0"],  # ':100:' became an emoji
+     "error: --documents: 'lognormal:100:0': SIGMA must be a number in (0, 4], e.g. "
+     "lognormal:100:2"),
+    (["--cluster", "1x8xH100", "--set", "eval.passkey_lengths=[abc"],  # '[abc...' swallowed
+     "error: --set 'eval.passkey_lengths=[abc': the value is not valid YAML"),
+])
+def test_an_error_is_printed_as_it_is_not_as_rich_markup(args: list[str], line: str) -> None:
+    result = CliRunner().invoke(app, ["plan", str(ROOT / "jobs/quickstart.yaml"), *args])
+    assert result.exit_code == 2, result.output
+    assert _one_line(result.output).startswith(line), result.output

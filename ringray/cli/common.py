@@ -9,17 +9,21 @@ from typing import TYPE_CHECKING, NoReturn
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 if TYPE_CHECKING:  # the spec imports torch: load it only when a command needs it
     from ringray.spec import JobSpec
 
-err = Console(stderr=True)
-"""Progress, events and errors go to stderr; results (tables, JSON, ids) to stdout."""
+err = Console(stderr=True, emoji=False)
+"""Progress, events and errors go to stderr; results (tables, JSON, ids) to stdout. No emoji
+codes: a user's ``lognormal:100:2`` is not ``lognormal💯2``."""
 
 
 def fail(message: str) -> NoReturn:
-    """End the command with ``error: <message>`` on one line and exit code 2."""
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    """End the command with ``error: <message>`` on one line and exit code 2. The message is
+    printed as it is: a user's ``[/b]`` in it is text, not rich markup (which raised)."""
+    err.print(Text.assemble(("error:", "bold red"), " ", message), highlight=False,
+              soft_wrap=True)
     raise typer.Exit(code=2)
 
 

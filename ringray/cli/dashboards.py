@@ -27,7 +27,7 @@ def dashboards_export(
     except OSError as exc:
         fail(f"DIR {directory}: {exc.strerror or exc}")
     for path in paths:
-        Console().print(str(path), highlight=False)
+        Console().print(str(path), highlight=False, markup=False)
 
 
 @app.command("push")
@@ -54,4 +54,4 @@ def dashboards_push(
         fail(str(exc))
     for board in pushed:
         Console().print(f"{board.title}: {board.url} (version {board.version})",
-                        highlight=False)
+                        highlight=False, markup=False)

@@ -73,10 +73,10 @@ def export(
             ref = export_hf(options, hf, step=step, dtype=getattr(torch, dtype),
                             max_shard_bytes=shard_bytes,
                             refused=lambda exc: err.print(f"refused {exc}", highlight=False,
-                                                          soft_wrap=True))
+                                                          markup=False, soft_wrap=True))
     except OSError as exc:  # "[Errno 17] File exists" alone names neither path nor problem
         fail(f"{exc.filename or hf}: {exc.strerror or exc}")
     except (CheckpointError, ValueError) as exc:
         fail(str(exc))
     Console().print(f"exported step {ref.step} ({ref.location}) to {hf}", highlight=False,
-                    soft_wrap=True)
+                    markup=False, soft_wrap=True)

@@ -140,7 +140,7 @@ def submit(
     if dry_run:
         json.dump(request.to_dict(), sys.stdout, indent=2)
         sys.stdout.write("\n")
-        err.print("dry run: nothing was submitted", highlight=False)
+        err.print("dry run: nothing was submitted", highlight=False, markup=False)
         return
     if address is None:
         fail("--address (or $RAY_API_SERVER_ADDRESS): the Ray dashboard URL, e.g. "
@@ -152,9 +152,9 @@ def submit(
         sys.stdout.write("\n")
         return
     err.print(f"submitted job {spec.name!r} to {address}; run directory on the cluster: "
-               f"{run_dir}", highlight=False)
+               f"{run_dir}", highlight=False, markup=False)
     err.print(f"follow it: ringray logs {submission_id} --follow --address {address}",
-               highlight=False)
+               highlight=False, markup=False)
     print(submission_id)
 
 
@@ -201,13 +201,13 @@ def status(
     out = Console(soft_wrap=True)  # one line each, however long (an error line included)
     message = _short_message(info.message)
     out.print(f"{info.submission_id}: {info.status}" + (f" ({message})" if message else ""),
-              highlight=False)
+              highlight=False, markup=False)
     out.print(f"  job {info.job_name!r}, spec {info.spec}, run directory {info.run_dir}",
-              highlight=False)
+              highlight=False, markup=False)
     out.print(f"  started {_when(info.start_time)}, ended {_when(info.end_time)}",
-              highlight=False)
+              highlight=False, markup=False)
     if progress:
-        out.print(f"  last line: {progress}", highlight=False)
+        out.print(f"  last line: {progress}", highlight=False, markup=False)
 
 
 def logs(
@@ -233,7 +233,7 @@ def logs(
     except Exception as exc:
         fail(f"{submission_id}: log stream ended ({first_line(exc)})")
     final = _call(submission_id, jobs.info, submission_id)
-    err.print(f"{submission_id}: {final.status}", highlight=False)
+    err.print(f"{submission_id}: {final.status}", highlight=False, markup=False)
 
 
 def stop(
@@ -251,10 +251,11 @@ def stop(
     jobs = _jobs(address)
     if not _call(submission_id, jobs.stop, submission_id):
         info = _call(submission_id, jobs.info, submission_id)
-        err.print(f"{submission_id} had already ended: {info.status}", highlight=False)
+        err.print(f"{submission_id} had already ended: {info.status}", highlight=False,
+                  markup=False)
         return
     err.print(f"{submission_id}: stop requested (checkpoint at the next step, then stop)",
-               highlight=False)
+               highlight=False, markup=False)
     if not wait:
         return
     deadline = time.monotonic() + STOP_GRACE_SECONDS + 30
@@ -263,7 +264,7 @@ def stop(
             if time.monotonic() > deadline:
                 fail(f"{submission_id}: still {info.status} after {STOP_GRACE_SECONDS + 30} s")
             time.sleep(1)
-    err.print(f"{submission_id}: {info.status}", highlight=False)
+    err.print(f"{submission_id}: {info.status}", highlight=False, markup=False)
 
 
 def resume(
@@ -320,5 +321,5 @@ def resume(
                                  working_dir=str(Path.cwd()), pip=info.pip)
     submission_id = _call(f"--address {address}", lambda: jobs.submit(request))
     err.print(f"resubmitted job {info.job_name!r} (from {run}) to continue from its last "
-               f"checkpoint in {info.run_dir}", highlight=False)
+               f"checkpoint in {info.run_dir}", highlight=False, markup=False)
     print(submission_id)
