@@ -58,7 +58,7 @@ def test_bench_ring_with_ulysses_prints_tables():
     (["--world", "4", "--ulysses", "2", "--heads", "6", "--kv-heads", "3"],
      "--kv-heads: 3 kv heads neither split over nor replicate evenly onto ulysses=2 ranks"),
     (["--world", "4", "--ulysses", "2", "--seq", "18"],
-     "layout: seq_len=18 cannot be split by layout 'zigzag' over 2 ring ranks x ulysses=2"),
+     "--seq: seq_len=18 cannot be split by layout 'zigzag' over 2 ring ranks x ulysses=2"),
 ])
 def test_bad_ulysses_flags_fail_with_one_line(flags, message):
     result = CliRunner().invoke(app, ["bench", "ring", *flags])

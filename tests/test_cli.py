@@ -55,10 +55,27 @@ def test_bench_ring_json_has_one_object_per_layout():
 def test_bench_ring_rejects_bad_flags_with_one_line():
     result = CliRunner().invoke(app, ["bench", "ring", "--seq", "100", "--world", "4"])
     assert result.exit_code == 2
-    assert "layout: seq_len=100 cannot be split by layout 'zigzag' over 4 ranks" in result.output
+    assert "error: --seq: seq_len=100 cannot be split by layout 'zigzag' over 4 ranks" \
+        in result.output
     assert "Traceback" not in result.output
     result = CliRunner().invoke(app, ["bench", "ring", "--heads", "8", "--kv-heads", "3"])
     assert result.exit_code == 2 and "--kv-heads: 3 must divide --heads 8" in result.output
+    result = CliRunner().invoke(app, ["bench", "ring", "--layouts", "bogus"])
+    assert result.exit_code == 2 and "error: --layouts: unknown kind 'bogus'; valid: " \
+        "contiguous, zigzag" in result.output
+    # 2e9 tokens: the kernel's out-of-memory killer ended it, without a word, before
+    result = CliRunner().invoke(app, ["bench", "ring", "--seq", "2000000000"])
+    assert result.exit_code == 2 and "error: --seq: 2000000000 is longer than 16777216" \
+        in result.output
+    result = CliRunner().invoke(app, ["bench", "train", "--layouts", ","])  # an IndexError
+    assert result.exit_code == 2 and "error: --layouts: give at least one of" in result.output
+
+
+def test_the_bench_seq_cap_is_the_job_files():
+    from ringray.cli.bench import MAX_BENCH_SEQ
+    from ringray.train.options import MAX_SEQ_LEN
+
+    assert MAX_BENCH_SEQ == MAX_SEQ_LEN
 
 
 def test_train_explains_a_low_overlap_when_ranks_outnumber_cores() -> None:

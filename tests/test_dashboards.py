@@ -429,3 +429,15 @@ def test_push_to_nothing_listening_names_the_address():
 def test_push_rejects_an_address_without_a_scheme():
     with pytest.raises(DashboardPushError, match="--url 'grafana:3000'"):
         push_dashboards(url="grafana:3000", token=TOKEN)
+
+
+@pytest.mark.parametrize(("url", "why"), [
+    ("http://[::1", "not a valid URL \\(Invalid IPv6 URL\\)"),
+    ("http://grafana:99999", "not a valid URL \\(Port out of range"),
+    ("http://grafana:abc", "not a valid URL \\(Port could not be cast"),
+    ("http://", "no host"),
+])
+def test_push_rejects_a_malformed_address_in_one_line(url: str, why: str) -> None:
+    """urllib's ValueError escaped as a traceback before."""
+    with pytest.raises(DashboardPushError, match=rf"^--url '{re.escape(url)}': {why}"):
+        push_dashboards(url=url, token=TOKEN)

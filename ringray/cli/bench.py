@@ -13,6 +13,10 @@ from rich.table import Table
 
 from ringray.cli.common import err, fail, read_spec
 
+MAX_BENCH_SEQ = 16_777_216
+"""The longest --seq a benchmark takes: the job file's cap on train.seq_len (a 2e9-token ring
+benchmark was ended by the kernel's out-of-memory killer, without a word)."""
+
 app = typer.Typer(help="Benchmarks that print the project's measured figures.",
                   no_args_is_help=True)
 
@@ -23,7 +27,8 @@ def bench_ring(
                               "size x --ulysses)."),
     ulysses: int = typer.Option(1, "--ulysses", min=1, help="Ranks per Ulysses group (a head "
                                 "all-to-all around a ring of --world / --ulysses ranks)."),
-    seq: int = typer.Option(16384, "--seq", min=1, help="Total sequence length (tokens)."),
+    seq: int = typer.Option(16384, "--seq", min=1, help="Total sequence length (tokens), "
+                            "at most 16777216."),
     heads: int = typer.Option(8, "--heads", min=1, help="Query heads."),
     kv_heads: int = typer.Option(2, "--kv-heads", min=1, help="Key/value heads (GQA)."),
     head_dim: int = typer.Option(64, "--head-dim", min=1, help="Head dimension."),
@@ -57,6 +62,8 @@ def bench_ring(
     names = tuple(n.strip() for n in layouts.split(",") if n.strip())
     if not names:
         fail("--layouts: give at least one of zigzag, striped, contiguous, balanced, whole")
+    if seq > MAX_BENCH_SEQ:
+        fail(f"--seq: {seq} is longer than {MAX_BENCH_SEQ} tokens, the longest a job trains")
     if heads % kv_heads:
         fail(f"--kv-heads: {kv_heads} must divide --heads {heads}")
     if world % ulysses:
@@ -79,7 +86,8 @@ def bench_ring(
             make_layout(name, world, seq, documents=lengths, ulysses=ulysses)
     except ValueError as exc:
         message = str(exc)
-        flag = {"documents:": "--documents:", "q:": "--heads:", "k:": "--kv-heads:"}
+        flag = {"documents:": "--documents:", "q:": "--heads:", "k:": "--kv-heads:",
+                "layout: unknown": "--layouts: unknown", "layout:": "--seq:"}
         prefix = next((p for p in flag if message.startswith(p)), None)
         fail(f"{flag[prefix]}{message.removeprefix(prefix)}" if prefix else message)
     packed = f", {len(lengths)} documents ({documents})" if lengths else ""
@@ -126,6 +134,8 @@ def bench_train(
     from ringray.bench.train import run_gpu_bench, run_train_bench
 
     names = tuple(n.strip() for n in layouts.split(",") if n.strip())
+    if not names:
+        fail("--layouts: give at least one of zigzag, striped, contiguous, balanced, whole")
     if gpu:
         err.print(f"training benchmark: 1b preset, seq {seq}, one CUDA device", highlight=False)
         try:
@@ -193,6 +203,9 @@ def bench_kernel(
         lengths = ()
     if not lengths or min(lengths) < 1:
         fail(f"--seqs: expected comma-separated positive integers, got {seqs!r}")
+    if max(lengths) > MAX_BENCH_SEQ:
+        fail(f"--seqs: {max(lengths)} is longer than {MAX_BENCH_SEQ} tokens, the longest a "
+             f"job trains")
     if heads % kv_heads:
         fail(f"--kv-heads: {kv_heads} must divide --heads {heads}")
     if dtype not in ("bfloat16", "float16"):

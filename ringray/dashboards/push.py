@@ -14,6 +14,7 @@ folder name, the folder is looked up by title (``GET /api/folders``) and created
 from __future__ import annotations
 
 import re
+import urllib.parse
 from dataclasses import dataclass
 
 from ringray.dashboards.build import Dashboard, as_json
@@ -44,6 +45,15 @@ def push_dashboards(*, url: str, token: str, folder: str | None = None,
 
     if not url.startswith(("http://", "https://")):
         raise DashboardPushError(f"--url {url!r}: expected http://host[:port] or https://...")
+    try:  # urllib's own checks: a bracket left open, a port out of range or not a number
+        parsed = urllib.parse.urlsplit(url)
+        parsed.port  # noqa: B018 - read for its ValueError
+    except ValueError as exc:
+        raise DashboardPushError(f"--url {url!r}: not a valid URL ({exc}); expected "
+                                 f"http://host[:port] or https://...") from None
+    if not parsed.hostname:
+        raise DashboardPushError(f"--url {url!r}: no host; expected http://host[:port] or "
+                                 f"https://...")
     api = GrafanaApi.from_url(url, credential=token, timeout=timeout_seconds)
     boards = list(build_dashboards().values()) if dashboards is None else dashboards
     folder_uid = _folder_uid(api, folder, url) if folder else None
