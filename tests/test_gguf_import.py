@@ -7,6 +7,7 @@ the real packaged model is exercised by ``tests/test_real_model.py``."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import sys
@@ -20,6 +21,7 @@ from typer.testing import CliRunner
 from ringray.cli import app
 from ringray.model.gguf_import import (
     PACKAGED_MODELS,
+    SOURCE_FILE,
     _check_recorded_hash,
     convert_gguf,
     inspect_gguf,
@@ -141,3 +143,37 @@ def test_does_not_overwrite_a_foreign_directory(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"exists and is not an earlier GGUF conversion"):
         convert_gguf(write_gguf(tmp_path / "ok.gguf"), out)
     assert (out / "notes.txt").read_text() == "keep me"
+
+
+def test_does_not_delete_a_users_file_beside_an_earlier_conversion(tmp_path: Path) -> None:
+    """A directory holding a conversion and a file of the user's: replacing the directory
+    deleted the user's file, silently, before."""
+    out = tmp_path / "model"
+    out.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (out / name).write_text("{}")
+    (out / SOURCE_FILE).write_text(json.dumps({"files": ["config.json", "model.safetensors",
+                                                          "tokenizer.json"]}))
+    (out / "mine.txt").write_text("keep me")
+    with pytest.raises(ValueError) as exc:
+        convert_gguf(write_gguf(tmp_path / "ok.gguf"), out)
+    assert one_line(exc) == (f"{out}: holds 'mine.txt', which no conversion wrote, beside an "
+                             f"earlier conversion that would replace the whole directory; move "
+                             f"it, or give an empty or new directory")
+    assert (out / "mine.txt").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("parent", ["/proc/ringray-test", "FILE"])
+def test_an_unwritable_place_is_refused_before_converting(tmp_path: Path, parent: str) -> None:
+    """It converted for 20 s, then raised FileNotFoundError / NotADirectoryError."""
+    if parent == "FILE":
+        (tmp_path / "afile").write_text("x")
+        parent = str(tmp_path / "afile")
+    elif not Path("/proc/self").is_dir():
+        pytest.skip("needs Linux's /proc")
+    result = CliRunner().invoke(app, ["models", "make", "smollm2-135m", "--out",
+                                      f"{parent}/model"])
+    assert result.exit_code == 2, result.output
+    line = " ".join(result.output.split())
+    assert line.startswith(f"error: {parent}/model: cannot be written (") and \
+        line.endswith("give a directory you can write to [--out]"), line

@@ -38,6 +38,7 @@ def make(
         path = (cached_model(name) if out is None
                 else convert_gguf(packaged_gguf(name), out))
     except ValueError as exc:
-        fail(str(exc))
+        where = "--out" if out is not None else "the cache under $HOME (or give --out DIR)"
+        fail(f"{exc} [{where}]" if "cannot be written" in str(exc) else str(exc))
     err.print(f"{name}: {path} ({time.perf_counter() - started:.1f} s)", highlight=False)
     typer.echo(str(path))

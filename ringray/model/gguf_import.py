@@ -270,6 +270,13 @@ def convert_gguf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[s
                                               and not (out / SOURCE_FILE).is_file())):
         raise ValueError(f"{out}: exists and is not an earlier GGUF conversion (no "
                          f"{SOURCE_FILE}); give an empty or new directory")
+    if out.is_dir():
+        foreign = _foreign_files(out)
+        if foreign:
+            raise ValueError(f"{out}: holds {foreign[0]!r}, which no conversion wrote, beside an "
+                             f"earlier conversion that would replace the whole directory; move "
+                             f"it, or give an empty or new directory")
+    _check_writable(out)
     transformers = require_module("transformers")
     require_module("accelerate")  # transformers loads GGUF through it
     source = {"gguf": str(summary.path.resolve()), **_file_identity(summary.path),
@@ -292,6 +299,7 @@ def convert_gguf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[s
             raise ValueError(f"{summary.path}: its tokenizer did not save as tokenizer.json "
                              f"(a {type(tokenizer).__name__}, not a fast tokenizer)")
         source["seconds"] = round(time.perf_counter() - started, 1)
+        source["files"] = sorted(p.name for p in staging.iterdir())
         (staging / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
         _default_permissions(staging)
         # What a job's model.from_pretrained checks before it starts.
@@ -301,6 +309,35 @@ def convert_gguf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[s
         if staging.exists():
             shutil.rmtree(staging)
     return out
+
+
+# What conversions wrote before SOURCE_FILE listed its files (transformers 4.x and 5.x).
+_CONVERSION_FILES = ("chat_template.jinja", "config.json", "generation_config.json",
+                     "model.safetensors", "special_tokens_map.json", "tokenizer.json",
+                     "tokenizer_config.json")
+
+
+def _foreign_files(out: Path) -> list[str]:
+    """Files in the conversion directory ``out`` that its conversion did not write (a user's,
+    which replacing the directory would delete), sorted."""
+    try:
+        listed = json.loads((out / SOURCE_FILE).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        listed = None
+    written = set(listed if isinstance(listed, list) else _CONVERSION_FILES) | {SOURCE_FILE}
+    return sorted(p.name for p in out.iterdir() if p.name not in written)
+
+
+def _check_writable(out: Path) -> None:
+    """Raise ``ValueError`` (one line) unless the conversion can be written beside ``out``
+    (checked before the minutes of conversion, by making a directory there)."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tempfile.mkdtemp(prefix=f".{out.name}-probe-", dir=out.parent))
+    except OSError as exc:
+        where = exc.filename or out.parent
+        raise ValueError(f"{out}: cannot be written ({where}: {exc.strerror or exc}); give a "
+                         f"directory you can write to") from None
 
 
 def _default_permissions(directory: Path) -> None:
