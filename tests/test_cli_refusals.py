@@ -218,3 +218,15 @@ def test_an_error_is_printed_as_it_is_not_as_rich_markup(args: list[str], line: 
     result = CliRunner().invoke(app, ["plan", str(ROOT / "jobs/quickstart.yaml"), *args])
     assert result.exit_code == 2, result.output
     assert _one_line(result.output).startswith(line), result.output
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:1", "ray://127.0.0.1:10001", "auto"])
+def test_a_jobs_address_that_is_not_a_url_is_refused_at_once(address: str) -> None:
+    """Ray took host:port for a GCS address and ray:// for a Ray Client one: 30-40 s and
+    Ray's own warnings before the error."""
+    started = time.monotonic()
+    result = CliRunner().invoke(app, ["status", "nope", "--address", address])
+    assert result.exit_code == 2, result.output
+    assert _one_line(result.output) == (f"error: --address {address!r}: give the Ray "
+                                        f"dashboard's URL (the Jobs API), e.g. http://head:8265")
+    assert time.monotonic() - started < 5

@@ -177,7 +177,7 @@ def test_dry_run_prints_the_entrypoint_and_runtime_env_and_submits_nothing(tmp_p
     sent = _dry_run("--run-dir", str(tmp_path / "run"))
     assert sent["entrypoint"].startswith(
         "python -m ringray train jobs/quickstart.yaml --address auto --set name=dry ")
-    assert sent["entrypoint"].endswith(f"--set train.steps=2 --set run_dir={tmp_path}/run")
+    assert sent["entrypoint"].endswith(f"--set train.steps=2 --set 'run_dir=\"{tmp_path}/run\"'")
     assert re.fullmatch(r"ringray-dry-\d{8}-\d{6}", sent["submission_id"])
     env = sent["runtime_env"]
     assert env["working_dir"] == str(ROOT)

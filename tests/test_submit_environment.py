@@ -78,11 +78,37 @@ def test_a_request_replaces_the_run_dir_override_and_records_its_packages():
                                  run_dir="/new", working_dir=str(ROOT), pip=["einops"],
                                  submission_id="ringray-q-1")
     assert request.entrypoint == ("python -m ringray train jobs/quickstart.yaml --address auto "
-                                  "--set train.steps=3 --set run_dir=/new")
-    assert request.metadata["ringray_overrides"] == "train.steps=3\nrun_dir=/new"
+                                  "--set train.steps=3 --set 'run_dir=\"/new\"'")
+    assert request.metadata["ringray_overrides"] == 'train.steps=3\nrun_dir="/new"'
     assert request.metadata["ringray_pip"] == "einops"
     assert request.runtime_env["pip"]["packages"] == ["einops"]
     assert request.to_dict()["submission_id"] == "ringray-q-1"
+
+
+@pytest.mark.parametrize("run_dir", ["~", "null", "#x", "123", "[a]", "/runs/a: b"])
+def test_the_run_dir_reaches_the_cluster_as_the_string_given(run_dir: str) -> None:
+    """It travelled as YAML: '~', 'null' and '#x' became None (the job wrote into Ray's
+    temporary working directory, lost to resume), '123' a number the cluster refused."""
+    from ringray.spec.load import apply_overrides
+
+    request = submission_request(spec_path="jobs/quickstart.yaml", job_name="q",
+                                 overrides=[], run_dir=run_dir, working_dir=str(ROOT), pip=[])
+    (override,) = request.metadata["ringray_overrides"].splitlines()
+    assert apply_overrides({}, [override]) == {"run_dir": run_dir}
+
+
+def test_submit_refuses_a_relative_or_empty_run_dir(monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from ringray.cli import app
+
+    monkeypatch.chdir(ROOT)
+    for run_dir in ("runs/q", ""):
+        result = CliRunner().invoke(app, ["submit", str(ROOT / "jobs/quickstart.yaml"),
+                                          "--run-dir", run_dir, "--dry-run"])
+        assert result.exit_code == 2, result.output
+        assert f"error: --run-dir: {run_dir!r} is not an absolute path" in \
+            " ".join(result.output.split())
 
 
 def test_missing_module_lines_name_the_module_and_the_fix():

@@ -49,6 +49,11 @@ def _jobs(address: str):
     # Ray's SDK logs every packaging step at INFO; the commands say what matters themselves.
     logging.getLogger("ray").setLevel(logging.WARNING)
 
+    if not address.startswith(("http://", "https://")):
+        # Ray reads host:port as a GCS address and ray:// as a Ray Client one: either waits
+        # 30-40 s and prints Ray's own warnings before it fails; the Jobs API is HTTP.
+        fail(f"--address {address!r}: give the Ray dashboard's URL (the Jobs API), e.g. "
+             f"http://head:8265")
     try:
         return RayJobs(address)
     except Exception as exc:  # the SDK raises ConnectionError, ValueError, RuntimeError...
@@ -132,6 +137,10 @@ def submit(
         fail(f"{spec_path}: the spec must be inside this directory (it is shipped as the "
               f"job's working directory)")
     relative_spec = str(Path(spec_path).resolve().relative_to(Path.cwd()))
+    if run_dir is not None and not (run_dir.startswith(("/", "~")) or "://" in run_dir):
+        fail(f"--run-dir: {run_dir!r} is not an absolute path; the job runs in Ray's "
+             f"temporary working directory, where a relative one would be lost; give e.g. "
+             f"~/ringray-runs/{spec.name} or /shared/runs/{spec.name}")
     run_dir = run_dir or spec.run_dir or f"~/ringray-runs/{spec.name}"
     packages = [*([] if no_pip else job_requirements()), *pip]
     request = submission_request(spec_path=relative_spec, job_name=spec.name,

@@ -29,6 +29,7 @@ a stop already asked for completes even then.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import shlex
 import time
@@ -172,7 +173,8 @@ def submission_request(*, spec_path: str, job_name: str, overrides: Sequence[str
     :func:`job_requirements`. The run directory replaces any ``run_dir=`` override.
     """
     overrides = [o for o in overrides if not o.startswith("run_dir=")]
-    overrides.append(f"run_dir={run_dir}")
+    # A JSON string is a YAML string: '~', 'null', '#x' or '123' stay the path they are.
+    overrides.append(f"run_dir={json.dumps(run_dir)}")
     packages = job_requirements() if pip is None else list(pip)
     return SubmissionRequest(
         submission_id=submission_id or f"ringray-{job_name}-{time.strftime('%Y%m%d-%H%M%S')}",
