@@ -39,6 +39,20 @@ _STARTED_AT_STEP = re.compile(r"^started \d+ workers .* at step (\d+)")
 _REQUIRED = ("step", "loss", "tokens_per_second", "overlap_ratio", "load_imbalance")
 
 
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _read_text(path: Path) -> str:
+    """The file's text; :class:`ReportError` naming the byte when it is not UTF-8."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ReportError(f"{path}: not UTF-8 text (byte {exc.start}: "
+                          f"{data[exc.start:exc.start + 1]!r})") from None
+
+
 class ReportError(ValueError):
     """A run directory that cannot be reported on; the message is one line naming the file."""
 
@@ -89,7 +103,7 @@ def read_steps(path: Path) -> list[dict]:
     """
     if not path.is_file():
         raise ReportError(f"{path}: not found (is {path.parent} a run directory?)")
-    text = path.read_text()
+    text = _read_text(path)
     lines = text.splitlines()
     if lines and not text.endswith("\n"):
         lines = lines[:-1]
@@ -104,6 +118,12 @@ def read_steps(path: Path) -> list[dict]:
         missing = [key for key in _REQUIRED if not isinstance(record, dict) or key not in record]
         if missing:
             raise ReportError(f"{path}:{number}: not a step record (no {', '.join(missing)})")
+        wrong = [key for key in _REQUIRED if not (
+            _is_number(record[key]) or (key != "step" and record[key] is None))]
+        if wrong or not isinstance(record["step"], int):
+            key = wrong[0] if wrong else "step"
+            raise ReportError(f"{path}:{number}: not a step record ({key} is "
+                              f"{record[key]!r}, not a number)")
         steps.append(record)
     if not steps:
         raise ReportError(f"{path}: no steps recorded")
@@ -145,15 +165,24 @@ def read_passkey_reports(run_dir: Path) -> list[tuple[str, dict]]:
     reports = []
     for path in files:
         try:
-            report = json.loads(path.read_text())
+            report = json.loads(_read_text(path))
         except json.JSONDecodeError as exc:
             raise ReportError(f"{path}: not JSON ({exc.msg})") from None
         cells = report.get("cells") if isinstance(report, dict) else None
-        if not isinstance(cells, list) or not all(
+        if not isinstance(cells, list) or not cells or not all(
             isinstance(c, dict) and {"length", "depth", "accuracy"} <= c.keys() for c in cells
         ):
             raise ReportError(f"{path}: not a passkey report (no cells with length, depth and "
                               f"accuracy)")
+        for i, cell in enumerate(cells):
+            if not (isinstance(cell["length"], int) and not isinstance(cell["length"], bool)
+                    and cell["length"] > 0 and _is_number(cell["depth"])
+                    and _is_number(cell["accuracy"])):
+                raise ReportError(f"{path}: cell {i} is not a passkey cell (a positive integer "
+                                  f"length, a number depth and accuracy): {cell!r}")
+        if not isinstance(report.get("chance", {}), dict):
+            raise ReportError(f"{path}: 'chance' is {report['chance']!r}, not an object of "
+                              f"accuracies")
         default = (PASSKEY_AFTER_LABEL if path.name == "passkey.json"
                    else path.stem.removeprefix("passkey-"))
         reports.append((str(report.get("label") or default), report))

@@ -193,3 +193,31 @@ def test_ulysses_all_to_all_is_plotted_on_the_seconds_axis():
     PLOTS["overlap"](fig.subplots(), plain, [])
     labels = [line.get_label() for line in fig.axes[1].get_lines()]
     assert labels == ["peer wait, longest rank (s)"]
+
+
+_CELL = {"length": 1024, "depth": 0.5, "accuracy": 1.0}
+
+
+@pytest.mark.parametrize(("name", "content", "message"), [
+    ("steps.jsonl", b"\xff\xfe\n", r"steps.jsonl: not UTF-8 text \(byte 0: b'\\xff'\)"),
+    ("steps.jsonl", json.dumps({"step": "x", "loss": 1.0, "tokens_per_second": 1.0,
+                                "overlap_ratio": None, "load_imbalance": 1.0}).encode() + b"\n",
+     r"steps.jsonl:1: not a step record \(step is 'x', not a number\)"),
+    ("passkey.json", b"\xff\xfe", r"passkey.json: not UTF-8 text"),
+    ("passkey.json", b'{"cells": []}', r"passkey.json: not a passkey report \(no cells"),
+    ("passkey.json", json.dumps({"cells": [_CELL, {**_CELL, "length": "x"}]}).encode(),
+     r"passkey.json: cell 1 is not a passkey cell"),
+    ("passkey.json", json.dumps({"cells": [{**_CELL, "depth": None}]}).encode(),
+     r"passkey.json: cell 0 is not a passkey cell"),
+    ("passkey.json", json.dumps({"cells": [{**_CELL, "length": [1]}]}).encode(),
+     r"passkey.json: cell 0 is not a passkey cell"),
+    ("passkey.json", json.dumps({"cells": [_CELL], "chance": 5}).encode(),
+     r"passkey.json: 'chance' is 5, not an object of accuracies"),
+])
+def test_a_damaged_file_is_one_report_error(tmp_path, name, content, message):
+    """Each was a traceback (UnicodeDecodeError, ValueError, TypeError, AttributeError) or a
+    plot with a categorical axis, before."""
+    run = _write_run(tmp_path / "run")
+    (run / name).write_bytes(content)
+    with pytest.raises(ReportError, match=message):
+        write_report(run)
