@@ -124,6 +124,16 @@ def test_submit_status_logs_stop_and_resume(ray_head: str, tmp_path: Path) -> No
     assert "stopping: checkpoint at the next step boundary" in _ringray(
         "logs", second, *address).stdout
 
+    # Checked here before anything is sent (both were submitted, then failed on the
+    # cluster): an override that does not hold, and a directory without the job's spec.
+    bad = _ringray("resume", second, *address, "--set", "parallel.cp=3")
+    assert bad.returncode == 2 and "error: train.seq_len: 512 cannot be split" in bad.stderr
+    elsewhere = subprocess.run([RINGRAY, "resume", second, *address], cwd=tmp_path,
+                               capture_output=True, text=True, timeout=120)
+    assert elsewhere.returncode == 2, elsewhere.stderr
+    assert "error: jobs/quickstart.yaml: not in this directory" in elsewhere.stderr
+    assert "submitted from" in " ".join(elsewhere.stderr.split())
+
     # `resume` submits it again; it continues from that checkpoint.
     resumed = _ok(_ringray("resume", second, *address, "--steps", str(reached + 2)))
     third = resumed.stdout.strip()

@@ -325,6 +325,13 @@ def resume(
     # The same spec, overrides, run directory and pip packages (the same environment).
     if force:
         overrides.append("train.memory_check=false")
+    # This directory is shipped again as the job's working directory: its spec must be the
+    # one submitted, and the overrides must hold, as `submit` checks before sending.
+    if not (Path.cwd() / info.spec).is_file():
+        fail(f"{info.spec}: not in this directory ({Path.cwd()}); resume {run} from the "
+             f"directory it was submitted from, which is shipped again as its working directory")
+    load_spec(info.spec, [o for o in [*previous, *overrides] if not o.startswith("run_dir=")],
+              steps=None, check_paths=False)
     request = submission_request(spec_path=info.spec, job_name=info.job_name,
                                  overrides=[*previous, *overrides], run_dir=info.run_dir,
                                  working_dir=str(Path.cwd()), pip=info.pip)
