@@ -230,3 +230,16 @@ def test_a_jobs_address_that_is_not_a_url_is_refused_at_once(address: str) -> No
     assert _one_line(result.output) == (f"error: --address {address!r}: give the Ray "
                                         f"dashboard's URL (the Jobs API), e.g. http://head:8265")
     assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize(("args", "line"), [
+    (["status"], "error: Missing argument 'ID'. (see ringray status --help)"),
+    (["bench", "ring", "--world", "0"], "error: Invalid value for '--world': Input should be "
+                                        "greater than or equal to 1 (see ringray bench ring "
+                                        "--help)"),
+])
+def test_a_usage_error_of_the_command_is_one_line(args: list[str], line: str) -> None:
+    """click's usage errors were a five-line box; exit code 2 either way."""
+    result, _ = _ringray(*args, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert _one_line(result.stderr) == line

@@ -23,11 +23,39 @@ non-zero exit code, never a traceback.
 
 from __future__ import annotations
 
+import sys
+
 import typer
 
 from ringray.cli import bench, dashboards, export, jobs, models, plan, report, train
 
-app = typer.Typer(
+
+class _OneLineErrors(typer.Typer):
+    """The ``ringray`` command: a usage error (an option's value out of range or of the wrong
+    type, a missing argument) is one line, ``error: ... (see ringray CMD --help)``, exit code
+    2, as every other error of the command line is, not click's five-line box."""
+
+    def __call__(self, *args, **kwargs):
+        if kwargs.get("standalone_mode", True) is False:
+            return super().__call__(*args, **kwargs)
+        from typer._click import exceptions as click  # typer keeps its own copy of click
+
+        try:
+            code = super().__call__(*args, standalone_mode=False, **kwargs)
+        except click.UsageError as exc:
+            where = f" (see {exc.ctx.command_path} --help)" if exc.ctx is not None else ""
+            print(f"error: {exc.format_message()}{where}", file=sys.stderr)
+            sys.exit(exc.exit_code)
+        except click.ClickException as exc:
+            print(f"error: {exc.format_message()}", file=sys.stderr)
+            sys.exit(exc.exit_code)
+        except typer.Abort:
+            print("Aborted.", file=sys.stderr)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+app = _OneLineErrors(
     help="ringray: exact ring attention and long-context training on Ray.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
