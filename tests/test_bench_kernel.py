@@ -60,6 +60,8 @@ def test_smoke_fails_for_a_wrong_kernel(monkeypatch):
     ("args", "message"),
     [
         (["--seqs", "4k"], "--seqs: expected comma-separated positive integers, got '4k'"),
+        (["--seqs", "4096,,8192"], "--seqs: expected comma-separated positive integers, got "
+                                   "'4096,,8192'"),
         (["--kv-heads", "3"], "--kv-heads: 3 must divide --heads 16"),
         (["--dtype", "float32"], "--dtype: 'float32' is not one of bfloat16, float16"),
         (["--seqs", "100", "--blocks", "4"], "--seqs/--blocks: layout: seq_len=100"),

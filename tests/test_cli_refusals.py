@@ -243,3 +243,17 @@ def test_a_usage_error_of_the_command_is_one_line(args: list[str], line: str) ->
     result, _ = _ringray(*args, timeout=60)
     assert result.returncode == 2, result.stderr
     assert _one_line(result.stderr) == line
+
+
+@pytest.mark.parametrize("submission_id", ["", "../../api/version", "a b"])
+def test_a_submission_id_that_cannot_be_one_is_refused_before_asking(submission_id: str) -> None:
+    """The SDK's parsing errors came back as the message ("JobDetails() argument after **
+    must be a mapping"), after a round trip to the cluster."""
+    for command in ("status", "logs", "stop", "resume"):
+        result = CliRunner().invoke(app, [command, submission_id, "--address",
+                                          "http://127.0.0.1:9"])
+        assert result.exit_code == 2, result.output
+        expected = (f"error: ID: {submission_id!r} is not a submission id"
+                    if submission_id or command != "resume" else "error: RUN: empty; give a "
+                    "run directory")  # resume took "" for the current directory
+        assert _one_line(result.output).startswith(expected), result.output

@@ -232,6 +232,17 @@ def test_cli_export_into_a_file_is_one_line_error(tmp_path):
     result = CliRunner().invoke(app, ["dashboards", "export", str(blocker / "sub")])
     assert result.exit_code == 2
     assert "error:" in result.output and "Traceback" not in result.output
+    # Each said only "File exists" / "Is a directory", or (empty) wrote into the current
+    # directory, before.
+    (tmp_path / "d" / "ringray-job.json").mkdir(parents=True)
+    for target, message in ((str(blocker), f"error: DIR: '{blocker}' is a file; give a "
+                                           f"directory"),
+                            ("", "error: DIR: empty; give the directory"),
+                            (str(tmp_path / "d"), "ringray-job.json: Is a directory; give a "
+                                                  "directory where the dashboards' JSON")):
+        result = CliRunner().invoke(app, ["dashboards", "export", target])
+        assert result.exit_code == 2, result.output
+        assert message in " ".join(result.output.split()), result.output
 
 
 # ---- push: a fake Grafana on loopback ------------------------------------------------------

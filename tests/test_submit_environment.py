@@ -139,3 +139,22 @@ def test_status_shows_rays_message_in_one_line():
     assert _short_message(failed) == "Job entrypoint command failed with exit code 2"
     assert _short_message("Job finished successfully.") == "Job finished successfully."
     assert _short_message("") == ""
+
+
+@pytest.mark.parametrize(("package", "message"), [
+    ("torch", "error: --pip 'torch': the cluster's own (a job never installs ray, torch, "
+              "triton"),
+    ("foo; rm -rf /", "error: --pip 'foo; rm -rf /': not a pip requirement (Expected"),
+])
+def test_submit_refuses_a_pip_package_it_must_not_install(
+        package: str, message: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both were sent: torch against the docs' promise, and a line pip fails on the cluster."""
+    from typer.testing import CliRunner
+
+    from ringray.cli import app
+
+    monkeypatch.chdir(ROOT)
+    result = CliRunner().invoke(app, ["submit", "jobs/quickstart.yaml", "--dry-run",
+                                      "--pip", package])
+    assert result.exit_code == 2, result.output
+    assert " ".join(result.output.split()).startswith(message), result.output

@@ -21,11 +21,20 @@ def dashboards_export(
     Example: ringray dashboards export infra/grafana/dashboards
     """
     from ringray.dashboards import write_dashboards
+    from ringray.spec import JobSpecError
+    from ringray.spec.load import check_output_dir
 
+    if not directory.strip():
+        fail("DIR: empty; give the directory to write the JSON files into, e.g. "
+             "infra/grafana/dashboards")
     try:
+        check_output_dir("DIR", directory)
         paths = write_dashboards(directory)
-    except OSError as exc:
-        fail(f"DIR {directory}: {exc.strerror or exc}")
+    except JobSpecError as exc:
+        fail(str(exc))
+    except OSError as exc:  # e.g. ringray-job.json there is a directory
+        fail(f"DIR {directory}: {exc.filename or directory}: {exc.strerror or exc}; give a "
+             f"directory where the dashboards' JSON files can be written")
     for path in paths:
         Console().print(str(path), highlight=False, markup=False)
 

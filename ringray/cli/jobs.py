@@ -41,8 +41,15 @@ def _address_option() -> str:
     return typer.Option(..., "--address", envvar="RAY_API_SERVER_ADDRESS", help=ADDRESS_HELP)
 
 
-def _jobs(address: str):
+def _jobs(address: str, submission_id: str | None = None):
+    """The cluster's Jobs API at ``address``; with ``submission_id``, that id checked first
+    (an empty one or a path answered with the SDK's parsing errors)."""
     import logging
+
+    if submission_id is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._:-]*",
+                                                      submission_id):
+        fail(f"ID: {submission_id!r} is not a submission id (letters, digits, '.', '_', ':' "
+             f"and '-', e.g. ringray-quickstart-20261121-101500; `ringray list` shows them)")
 
     from ringray.cluster.jobs import RayJobs
 
@@ -66,6 +73,25 @@ def _call(what: str, fn, *args):
         return fn(*args)
     except Exception as exc:
         fail(f"{what}: {first_line(exc)}")
+
+
+def _check_pip(packages: list[str]) -> None:
+    """Each ``--pip`` is a pip requirement, and none is one the cluster provides itself."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    from ringray.cluster.jobs import CLUSTER_PROVIDED, requirement_name
+
+    for package in packages:
+        try:
+            Requirement(package)
+        except InvalidRequirement as exc:
+            why = str(exc).splitlines()[0].rstrip(".") if str(exc).strip() else "unreadable"
+            fail(f"--pip {package!r}: not a pip requirement ({why}); e.g. --pip flash-attn or "
+                 f"--pip 'einops>=0.7'")
+        if requirement_name(package) in CLUSTER_PROVIDED:
+            fail(f"--pip {package!r}: the cluster's own (a job never installs "
+                 f"{', '.join(sorted(CLUSTER_PROVIDED))}: they must match each other and the "
+                 f"nodes' drivers); install it in the cluster's image")
 
 
 def _short_message(message: str) -> str:
@@ -141,6 +167,7 @@ def submit(
         fail(f"--run-dir: {run_dir!r} is not an absolute path; the job runs in Ray's "
              f"temporary working directory, where a relative one would be lost; give e.g. "
              f"~/ringray-runs/{spec.name} or /shared/runs/{spec.name}")
+    _check_pip(pip)
     run_dir = run_dir or spec.run_dir or f"~/ringray-runs/{spec.name}"
     packages = [*([] if no_pip else job_requirements()), *pip]
     request = submission_request(spec_path=relative_spec, job_name=spec.name,
@@ -199,7 +226,7 @@ def status(
 
     Example: ringray status ringray-quickstart-20261121-101500 --address http://127.0.0.1:8265
     """
-    jobs = _jobs(address)
+    jobs = _jobs(address, submission_id)
     info = _call(submission_id, jobs.info, submission_id)
     logs = _call(submission_id, jobs.logs, submission_id)
     progress = next((line.strip() for line in reversed(logs.splitlines()) if line.strip()), "")
@@ -228,7 +255,7 @@ def logs(
 
     Example: ringray logs ringray-quickstart-20261121-101500 --follow
     """
-    jobs = _jobs(address)
+    jobs = _jobs(address, submission_id)
     if not follow:
         sys.stdout.write(_call(submission_id, jobs.logs, submission_id))
         return
@@ -257,7 +284,7 @@ def stop(
     """
     from ringray.cluster.jobs import STOP_GRACE_SECONDS
 
-    jobs = _jobs(address)
+    jobs = _jobs(address, submission_id)
     if not _call(submission_id, jobs.stop, submission_id):
         info = _call(submission_id, jobs.info, submission_id)
         err.print(f"{submission_id} had already ended: {info.status}", highlight=False,
@@ -307,13 +334,15 @@ def resume(
     from ringray.cluster.jobs import submission_request
 
     overrides = [*overrides, "checkpoint.resume=true"]
+    if not run.strip():  # Path("") is the current directory
+        fail("RUN: empty; give a run directory (e.g. runs/quickstart) or a submission id")
     if Path(run).expanduser().is_dir():
         run_job(load_run(run, overrides, steps=steps), address=None, force=force)
         return
     if address is None:
         fail(f"{run}: not a run directory; for a submission id give --address (the Ray "
               f"dashboard URL)")
-    jobs = _jobs(address)
+    jobs = _jobs(address, run)
     info = _call(run, jobs.info, run)
     if not info.job_name:
         fail(f"{run}: not a ringray submission (no ringray metadata)")

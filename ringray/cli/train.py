@@ -468,7 +468,7 @@ def _report_end(status, run_dir: str) -> None:
     out.print(f"job {status.job_name!r} {status.state} at step {status.step}/"
               f"{status.total_steps}; run directory {run_dir} (steps.jsonl, events.jsonl"
               f"{', passkey.json' if (Path(run_dir) / 'passkey.json').exists() else ''})",
-              highlight=False)
+              highlight=False, markup=False, soft_wrap=True)  # one line: `status` quotes it
 
 
 def _or_dash(value) -> str:
