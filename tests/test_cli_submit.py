@@ -142,6 +142,8 @@ def test_submit_status_logs_stop_and_resume(ray_head: str, tmp_path: Path) -> No
     assert f"finished at step {reached + 2}/{reached + 2}" in followed.stdout
     assert _steps(second_dir) == list(range(1, reached + 3))
 
+    table = _ok(_ringray("list", *address)).stdout  # a pipe: 80 columns cut the ids before
+    assert first in table and second in table and third in table
     listed = json.loads(_ok(_ringray("list", *address, "--json")).stdout)
     statuses = {s["submission_id"]: s["status"] for s in listed}
     assert {first: "SUCCEEDED", second: "STOPPED", third: "SUCCEEDED"}.items() <= \

@@ -214,7 +214,8 @@ def list_jobs(
     for s in submissions:
         table.add_row(s.submission_id, s.job_name, s.status, _when(s.start_time),
                       _when(s.end_time))
-    Console().print(table)
+    # Never cut to the terminal's (or a pipe's 80) columns: the ids are what `status` takes.
+    Console(width=max(Console().width, 240)).print(table)
 
 
 def status(
@@ -238,8 +239,12 @@ def status(
     message = _short_message(info.message)
     out.print(f"{info.submission_id}: {info.status}" + (f" ({message})" if message else ""),
               highlight=False, markup=False)
-    out.print(f"  job {info.job_name!r}, spec {info.spec}, run directory {info.run_dir}",
-              highlight=False, markup=False)
+    if info.job_name:
+        out.print(f"  job {info.job_name!r}, spec {info.spec}, run directory {info.run_dir}",
+                  highlight=False, markup=False)
+    else:
+        out.print("  not a ringray submission (no ringray metadata)", highlight=False,
+                  markup=False)
     out.print(f"  started {_when(info.start_time)}, ended {_when(info.end_time)}",
               highlight=False, markup=False)
     if progress:
