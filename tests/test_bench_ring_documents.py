@@ -50,6 +50,8 @@ def test_long_tail_mix():
     ("lognormal:big", "--documents: 'lognormal:big': MEAN must be a number of tokens >= 1"),
     ("lognormal:512:wide",
      "--documents: 'lognormal:512:wide': SIGMA must be a number in (0, 4], e.g. lognormal:512:2"),
+    ("lognormal:100:1:3",  # it said MEAN must be a number
+     "--documents: 'lognormal:100:1:3': too many ':' parts; the form is lognormal:MEAN[:SIGMA]"),
 ])
 def test_bad_specs_fail_with_one_line(spec, message):
     result = CliRunner().invoke(app, ["bench", "ring", "--documents", spec])

@@ -257,3 +257,23 @@ def test_a_submission_id_that_cannot_be_one_is_refused_before_asking(submission_
                     if submission_id or command != "resume" else "error: RUN: empty; give a "
                     "run directory")  # resume took "" for the current directory
         assert _one_line(result.output).startswith(expected), result.output
+
+
+def test_a_resume_with_no_committed_checkpoint_says_it_starts_over(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The only save crashed before its commit: the resume trained from step 0 without a
+    word before."""
+    from ringray.cli.jobs import _say_when_nothing_resumes
+
+    run_dir = tmp_path / "run"
+    spec = load_job_spec(ROOT / "jobs/quickstart.yaml", [f"run_dir={run_dir}"],
+                         check_paths=False)
+    (run_dir / "checkpoints" / "step_00000002-0a1b2c3d").mkdir(parents=True)  # no marker
+    _say_when_nothing_resumes(spec, str(run_dir))
+    line = _one_line(capsys.readouterr().err)
+    assert line == (f"warning: {run_dir / 'checkpoints'} holds no committed checkpoint (a save "
+                    f"that did not complete is not one); {run_dir} trains again from step 0")
+    CheckpointStore(str(run_dir / "checkpoints"), lineage="run").save(
+        4, {"w": torch.zeros(2)}, keep=3)
+    _say_when_nothing_resumes(spec, str(run_dir))
+    assert capsys.readouterr().err == ""

@@ -75,6 +75,24 @@ def _call(what: str, fn, *args):
         fail(f"{what}: {first_line(exc)}")
 
 
+def _say_when_nothing_resumes(spec, run: str) -> None:
+    """A run whose checkpoint location holds no committed checkpoint (its only save crashed
+    before its commit) trains again from step 0: said before it starts, not left to be
+    noticed in the step counter."""
+    from ringray.train.checkpoint import CheckpointStore
+
+    location = spec.train_options().checkpoint_location
+    try:
+        store = CheckpointStore(location)
+        if store.committed() or store.damaged():
+            return
+    except (OSError, ValueError):  # the run's own start reports the location's problem
+        return
+    err.print(f"warning: {location} holds no committed checkpoint (a save that did not "
+              f"complete is not one); {run} trains again from step 0", highlight=False,
+              markup=False, soft_wrap=True)
+
+
 def _check_pip(packages: list[str]) -> None:
     """Each ``--pip`` is a pip requirement, and none is one the cluster provides itself."""
     from packaging.requirements import InvalidRequirement, Requirement
@@ -342,7 +360,9 @@ def resume(
     if not run.strip():  # Path("") is the current directory
         fail("RUN: empty; give a run directory (e.g. runs/quickstart) or a submission id")
     if Path(run).expanduser().is_dir():
-        run_job(load_run(run, overrides, steps=steps), address=None, force=force)
+        spec = load_run(run, overrides, steps=steps)
+        _say_when_nothing_resumes(spec, run)
+        run_job(spec, address=None, force=force)
         return
     if address is None:
         fail(f"{run}: not a run directory; for a submission id give --address (the Ray "

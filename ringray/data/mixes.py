@@ -29,6 +29,10 @@ def document_lengths(spec: str, seq_len: int) -> list[int]:
     """
     kind, _, value = spec.partition(":")
     sigma = LOGNORMAL_SIGMA
+    parts = {"lognormal": 3, "fixed": 2, "stdlib": 1}.get(kind)
+    if parts is not None and spec.count(":") >= parts:
+        form = next(s for s in DOCUMENT_SPECS if s.startswith(kind))
+        raise ValueError(f"documents: {spec!r}: too many ':' parts; the form is {form}")
     if kind == "lognormal" and value.count(":") == 1:
         value, _, spread = value.partition(":")
         try:
