@@ -10,6 +10,7 @@ from dataclasses import asdict, replace
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from ringray.cli.common import err, fail, read_spec
 
@@ -28,7 +29,7 @@ def bench_ring(
     ulysses: int = typer.Option(1, "--ulysses", min=1, help="Ranks per Ulysses group (a head "
                                 "all-to-all around a ring of --world / --ulysses ranks)."),
     seq: int = typer.Option(16384, "--seq", min=1, help="Total sequence length (tokens), "
-                            "at most 16777216."),
+                            f"at most {MAX_BENCH_SEQ}."),
     heads: int = typer.Option(8, "--heads", min=1, help="Query heads."),
     kv_heads: int = typer.Option(2, "--kv-heads", min=1, help="Key/value heads (GQA)."),
     head_dim: int = typer.Option(64, "--head-dim", min=1, help="Head dimension."),
@@ -254,7 +255,8 @@ def bench_kernel(
         for name, rows in report.items():
             out.print(tables[name](rows))
     if not all(r.passed for r in report["smoke"]):
-        err.print("[bold red]error:[/] the correctness smoke failed", highlight=False)
+        err.print(Text.assemble(("error:", "bold red"), " the correctness smoke failed"),
+                  highlight=False)
         raise typer.Exit(code=1)
 
 

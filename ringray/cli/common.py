@@ -14,14 +14,14 @@ from rich.text import Text
 if TYPE_CHECKING:  # the spec imports torch: load it only when a command needs it
     from ringray.spec import JobSpec
 
-err = Console(stderr=True, emoji=False)
-"""Progress, events and errors go to stderr; results (tables, JSON, ids) to stdout. No emoji
-codes: a user's ``lognormal:100:2`` is not ``lognormal💯2``."""
+err = Console(stderr=True, emoji=False, markup=False)
+"""Progress, events and errors go to stderr; results (tables, JSON, ids) to stdout. What it
+prints is text as given, never rich markup or emoji codes: a user's ``[/b]`` raised
+MarkupError, and ``lognormal:100:2`` became ``lognormal💯2``. Style goes in a ``Text``."""
 
 
 def fail(message: str) -> NoReturn:
-    """End the command with ``error: <message>`` on one line and exit code 2. The message is
-    printed as it is: a user's ``[/b]`` in it is text, not rich markup (which raised)."""
+    """End the command with ``error: <message>`` on one line and exit code 2."""
     err.print(Text.assemble(("error:", "bold red"), " ", message), highlight=False,
               soft_wrap=True)
     raise typer.Exit(code=2)

@@ -73,7 +73,7 @@ def export(
             ref = export_hf(options, hf, step=step, dtype=getattr(torch, dtype),
                             max_shard_bytes=shard_bytes,
                             refused=lambda exc: err.print(f"refused {exc}", highlight=False,
-                                                          markup=False, soft_wrap=True))
+                                                          soft_wrap=True))
     except OSError as exc:  # "[Errno 17] File exists" alone names neither path nor problem
         fail(f"{exc.filename or hf}: {exc.strerror or exc}")
     except (CheckpointError, ValueError) as exc:

@@ -50,17 +50,16 @@ def _jobs(address: str, submission_id: str | None = None):
                                                       submission_id):
         fail(f"ID: {submission_id!r} is not a submission id (letters, digits, '.', '_', ':' "
              f"and '-', e.g. ringray-quickstart-20261121-101500; `ringray list` shows them)")
-
-    from ringray.cluster.jobs import RayJobs
-
-    # Ray's SDK logs every packaging step at INFO; the commands say what matters themselves.
-    logging.getLogger("ray").setLevel(logging.WARNING)
-
     if not address.startswith(("http://", "https://")):
         # Ray reads host:port as a GCS address and ray:// as a Ray Client one: either waits
         # 30-40 s and prints Ray's own warnings before it fails; the Jobs API is HTTP.
         fail(f"--address {address!r}: give the Ray dashboard's URL (the Jobs API), e.g. "
              f"http://head:8265")
+
+    from ringray.cluster.jobs import RayJobs
+
+    # Ray's SDK logs every packaging step at INFO; the commands say what matters themselves.
+    logging.getLogger("ray").setLevel(logging.WARNING)
     try:
         return RayJobs(address)
     except Exception as exc:  # the SDK raises ConnectionError, ValueError, RuntimeError...
@@ -90,7 +89,7 @@ def _say_when_nothing_resumes(spec, run: str) -> None:
         return
     err.print(f"warning: {location} holds no committed checkpoint (a save that did not "
               f"complete is not one); {run} trains again from step 0", highlight=False,
-              markup=False, soft_wrap=True)
+              soft_wrap=True)
 
 
 def _check_pip(packages: list[str]) -> None:
@@ -194,7 +193,7 @@ def submit(
     if dry_run:
         json.dump(request.to_dict(), sys.stdout, indent=2)
         sys.stdout.write("\n")
-        err.print("dry run: nothing was submitted", highlight=False, markup=False)
+        err.print("dry run: nothing was submitted", highlight=False)
         return
     if address is None:
         fail("--address (or $RAY_API_SERVER_ADDRESS): the Ray dashboard URL, e.g. "
@@ -206,9 +205,9 @@ def submit(
         sys.stdout.write("\n")
         return
     err.print(f"submitted job {spec.name!r} to {address}; run directory on the cluster: "
-               f"{run_dir}", highlight=False, markup=False)
+               f"{run_dir}", highlight=False)
     err.print(f"follow it: ringray logs {submission_id} --follow --address {address}",
-               highlight=False, markup=False)
+               highlight=False)
     print(submission_id)
 
 
@@ -253,20 +252,17 @@ def status(
         json.dump({**info.to_dict(), "last_line": progress}, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return
-    out = Console(soft_wrap=True)  # one line each, however long (an error line included)
+    # One line each, however long (an error line included); the cluster's text as it is.
+    out = Console(soft_wrap=True, markup=False, highlight=False)
     message = _short_message(info.message)
-    out.print(f"{info.submission_id}: {info.status}" + (f" ({message})" if message else ""),
-              highlight=False, markup=False)
+    out.print(f"{info.submission_id}: {info.status}" + (f" ({message})" if message else ""))
     if info.job_name:
-        out.print(f"  job {info.job_name!r}, spec {info.spec}, run directory {info.run_dir}",
-                  highlight=False, markup=False)
+        out.print(f"  job {info.job_name!r}, spec {info.spec}, run directory {info.run_dir}")
     else:
-        out.print("  not a ringray submission (no ringray metadata)", highlight=False,
-                  markup=False)
-    out.print(f"  started {_when(info.start_time)}, ended {_when(info.end_time)}",
-              highlight=False, markup=False)
+        out.print("  not a ringray submission (no ringray metadata)")
+    out.print(f"  started {_when(info.start_time)}, ended {_when(info.end_time)}")
     if progress:
-        out.print(f"  last line: {progress}", highlight=False, markup=False)
+        out.print(f"  last line: {progress}")
 
 
 def logs(
@@ -292,7 +288,7 @@ def logs(
     except Exception as exc:
         fail(f"{submission_id}: log stream ended ({first_line(exc)})")
     final = _call(submission_id, jobs.info, submission_id)
-    err.print(f"{submission_id}: {final.status}", highlight=False, markup=False)
+    err.print(f"{submission_id}: {final.status}", highlight=False)
 
 
 def stop(
@@ -310,11 +306,10 @@ def stop(
     jobs = _jobs(address, submission_id)
     if not _call(submission_id, jobs.stop, submission_id):
         info = _call(submission_id, jobs.info, submission_id)
-        err.print(f"{submission_id} had already ended: {info.status}", highlight=False,
-                  markup=False)
+        err.print(f"{submission_id} had already ended: {info.status}", highlight=False)
         return
     err.print(f"{submission_id}: stop requested (checkpoint at the next step, then stop)",
-               highlight=False, markup=False)
+               highlight=False)
     if not wait:
         return
     deadline = time.monotonic() + STOP_GRACE_SECONDS + 30
@@ -323,7 +318,7 @@ def stop(
             if time.monotonic() > deadline:
                 fail(f"{submission_id}: still {info.status} after {STOP_GRACE_SECONDS + 30} s")
             time.sleep(1)
-    err.print(f"{submission_id}: {info.status}", highlight=False, markup=False)
+    err.print(f"{submission_id}: {info.status}", highlight=False)
 
 
 def resume(
@@ -391,5 +386,5 @@ def resume(
                                  working_dir=str(Path.cwd()), pip=info.pip)
     submission_id = _call(f"--address {address}", lambda: jobs.submit(request))
     err.print(f"resubmitted job {info.job_name!r} (from {run}) to continue from its last "
-               f"checkpoint in {info.run_dir}", highlight=False, markup=False)
+               f"checkpoint in {info.run_dir}", highlight=False)
     print(submission_id)

@@ -31,14 +31,21 @@ def make(
 
     Example: ringray models make smollm2-135m
     """
-    from ringray.model.gguf_import import cached_model, convert_gguf, packaged_gguf
+    from ringray.model.gguf_import import (
+        OutputNotWritable,
+        cached_model,
+        convert_gguf,
+        packaged_gguf,
+    )
 
     started = time.perf_counter()
     try:
         path = (cached_model(name) if out is None
                 else convert_gguf(packaged_gguf(name), out))
-    except ValueError as exc:
+    except OutputNotWritable as exc:
         where = "--out" if out is not None else "the cache under $HOME (or give --out DIR)"
-        fail(f"{exc} [{where}]" if "cannot be written" in str(exc) else str(exc))
+        fail(f"{exc} [{where}]")
+    except ValueError as exc:
+        fail(str(exc))
     err.print(f"{name}: {path} ({time.perf_counter() - started:.1f} s)", highlight=False)
     typer.echo(str(path))

@@ -328,16 +328,20 @@ def _foreign_files(out: Path) -> list[str]:
     return sorted(p.name for p in out.iterdir() if p.name not in written)
 
 
+class OutputNotWritable(ValueError):
+    """The place a conversion goes cannot be written (one line naming it and why)."""
+
+
 def _check_writable(out: Path) -> None:
-    """Raise ``ValueError`` (one line) unless the conversion can be written beside ``out``
+    """Raise :class:`OutputNotWritable` unless the conversion can be written beside ``out``
     (checked before the minutes of conversion, by making a directory there)."""
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tempfile.mkdtemp(prefix=f".{out.name}-probe-", dir=out.parent))
     except OSError as exc:
         where = exc.filename or out.parent
-        raise ValueError(f"{out}: cannot be written ({where}: {exc.strerror or exc}); give a "
-                         f"directory you can write to") from None
+        raise OutputNotWritable(f"{out}: cannot be written ({where}: {exc.strerror or exc}); "
+                                f"give a directory you can write to") from None
 
 
 def _default_permissions(directory: Path) -> None:
