@@ -60,11 +60,13 @@ from __future__ import annotations
 
 import importlib
 import os
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 import torch
 from torch.distributed import ReduceOp
@@ -214,23 +216,70 @@ ManagerFactory = Callable[[ReplicaGroup, int, int, Callable[[], dict],
 """``(group, rank, world_size, state_dict, load_state_dict) -> manager``."""
 
 
+def advertised_host(lighthouse: str) -> str:
+    """The address other hosts reach this process at: the local address of the route to the
+    Lighthouse (``http://host:port``), in URL form (an IPv6 one in brackets).
+
+    torchft advertises ``socket.gethostname()`` by default, for its manager (to the
+    Lighthouse) and for its checkpoint server (to a healing peer). Where host names do not
+    resolve across hosts (KubeRay pods, many clouds, hosts of their own UTS namespace) every
+    group then waits for an address nobody can reach. The route to the Lighthouse is one the
+    other groups' processes share (they reach the same Lighthouse), and on a host with two
+    interfaces it is the one that reaches them. No packet is sent: connecting a UDP socket
+    only chooses the route.
+
+    Raises:
+        ValueError: ``lighthouse`` names no host, or no route leads to it (one line).
+    """
+    parts = urlsplit(lighthouse if "://" in lighthouse else f"http://{lighthouse}")
+    if not parts.hostname:
+        raise ValueError(f"replica groups: the Lighthouse address {lighthouse!r} names no host")
+    try:
+        family, _, _, _, where = socket.getaddrinfo(parts.hostname, parts.port or 29510,
+                                                    type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(where)
+            host = probe.getsockname()[0]
+    except OSError as exc:
+        raise ValueError(f"replica groups: no route from this host to the Lighthouse at "
+                         f"{lighthouse} ({exc})") from None
+    return f"[{host}]" if ":" in host else host
+
+
+def _advertising_transport(torchft: Any, host: str, timeout: timedelta) -> Any:
+    """torchft's HTTP checkpoint transport, advertising ``host`` instead of the host name
+    (its ``address()`` has no parameter for it: the one method replaced)."""
+
+    class AdvertisedHTTPTransport(torchft.checkpointing.HTTPTransport):
+        def address(self) -> str:
+            port = self._server.socket.getsockname()[1]
+            return f"http://{host}:{port}/checkpoint/"
+
+    return AdvertisedHTTPTransport(timeout=timeout, num_chunks=0)
+
+
 def torchft_manager(group: ReplicaGroup, rank: int, world_size: int,
                     state_dict: Callable[[], dict],
                     load_state_dict: Callable[[dict], None]) -> ReplicaManager:
     """A torchft ``Manager`` for ``rank`` of ``group``: gloo across replicas on CPU, NCCL on
     CUDA; a synchronous quorum (a heal finishes before the step's forward); no sync at step
-    0 (every replica builds the same weights from ``train.seed``)."""
+    0 (every replica builds the same weights from ``train.seed``). The manager and the
+    checkpoint server advertise this host's address (:func:`advertised_host`), never its
+    name."""
     torchft = require_torchft()
+    importlib.import_module("torchft.checkpointing")
     timeout = timedelta(seconds=group.timeout_seconds)
     pg = (torchft.ProcessGroupNCCL(timeout=timeout) if torch.cuda.is_available()
           else torchft.ProcessGroupGloo(timeout=timeout))
     host, port = group.store
+    me = advertised_host(group.lighthouse)
     return torchft.Manager(
         pg=pg, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=1,
         use_async_quorum=False, init_sync=False, timeout=timeout,
         quorum_timeout=timedelta(seconds=group.quorum_timeout_seconds),
         connect_timeout=timeout, rank=rank, world_size=world_size, store_addr=host,
         store_port=port, lighthouse_addr=group.lighthouse, replica_id=group.replica_id,
+        hostname=me, checkpoint_transport=_advertising_transport(torchft, me, timeout),
     )
 
 
