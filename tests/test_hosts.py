@@ -121,3 +121,30 @@ def test_replica_groups_start_across_hosts_and_a_killed_hosts_group_heals_from_a
     assert any(f"hold identical state at step {steps}" in m for m in events), events
     print(f"fault-matrix: replica group's host killed | the other group trains on; the "
           f"replacement heals on the spare host | 0 | {next_step - killed:.1f}")
+
+
+def test_a_ring_across_hosts_driven_from_a_worker_host_has_one_writer_for_its_run_dir(
+        tmp_path: Path) -> None:
+    """A cp=2 ring whose ranks are on two hosts, `ringray train --address` run on one of
+    them, whose own view of the run directory is a node-local tmpfs. The job trains to the
+    end, and every file of the run directory, job.yaml included, is written by the
+    controller on the head host: the driver's host sees none of them (job.yaml was written
+    by the driver, so half the run directory lived on another host)."""
+    run_dir = tmp_path / "run"
+    with Hosts(3, local_dirs={1: str(run_dir)}) as hosts:
+        hosts.start_ray(slots={1: 1, 2: 1}, log_dir=tmp_path / "ray")
+        job = _job(tmp_path, "hosts-ring", parallel={"cp": 2}, steps=8, interval=4,
+                   cluster={})
+        spec = yaml.safe_load(job.read_text())
+        spec["checkpoint"]["path"] = str(tmp_path / "checkpoints")  # shared storage
+        job.write_text(yaml.safe_dump(spec, sort_keys=False))
+        log = tmp_path / "train.log"
+        text = _finish(_train(hosts, hosts[1], job, log), log)
+        seen_by_driver = hosts[1].check(["ls", "-A", str(run_dir)]).split()
+
+    assert "finished at step 8/8" in text, text
+    assert "2 cross-node hop(s) per ring step" in text, text
+    assert seen_by_driver == [], seen_by_driver
+    assert {"job.yaml", "steps.jsonl", "events.jsonl"} <= {p.name for p in run_dir.iterdir()}
+    assert yaml.safe_load((run_dir / "job.yaml").read_text())["run_dir"] == str(run_dir)
+    assert _steps(run_dir) == list(range(1, 9))

@@ -4,14 +4,16 @@ and exports from its own checkpoints)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from ringray.cli.train import _RunSpecWriter, job_started
-from ringray.cluster.status import JobStatus
+from ringray.cli.train import _with_absolute_paths
+from ringray.cluster.placement import PlacementPlan, RankPlacement, RingCost
+from ringray.cluster.record import JobRecord
 from ringray.spec import JobSpecError, load_job_spec
-from ringray.spec.run_spec import load_run_spec, relocation, write_run_spec
+from ringray.spec.run_spec import load_run_spec, relocation, run_spec_text, write_run_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,34 +80,33 @@ def test_an_empty_or_undecodable_job_yaml_is_one_line_naming_it(tmp_path: Path) 
         load_run_spec(tmp_path)
 
 
-def _status(state: str, *, stepped: bool = False) -> JobStatus:
-    return JobStatus(job_name="j", state=state, step=0, total_steps=10, dp=0, target_dp=1,
-                     cp=2, restarts=(), failures_used=0, resizes=0,
-                     last_stats=object() if stepped else None,  # only its presence counts
-                     last_checkpoint_step=None, workers=(), plan=None, error=None, events=())
-
-
-def test_job_yaml_is_written_once_the_job_has_started_and_never_by_a_refused_run(
+def test_job_yaml_is_written_by_the_controllers_record_once_the_job_has_started(
     tmp_path: Path,
 ) -> None:
-    """A run refused by the lock or by its checkpoints ends failed without having run: it
-    must not write job.yaml. One that got as far as running writes it once."""
-    spec = _spec(tmp_path)
-    path = tmp_path / "job.yaml"
-    said: list[str] = []
-    refused = _RunSpecWriter(spec, str(tmp_path), say=said.append, written=False)
-    for state in ("placing", "starting", "recovering", "failed", "stopped"):
-        refused.update(_status(state))
-    assert not path.exists() and not said
-
-    writer = _RunSpecWriter(spec, str(tmp_path), say=said.append, written=False)
-    writer.update(_status("running"))
-    assert path.is_file()
+    """The controller writes job.yaml (``JobOptions.run_spec``, made by the driver), so the
+    run directory has one writer wherever `ringray train` runs. Not before the workers
+    built (a refused run never gets there), once per controller, and an unwritable place is
+    a warning event, not a failure."""
+    spec = _spec(tmp_path / "run")
+    text = run_spec_text(spec, run_dir=str(tmp_path / "run"))
+    job = replace(_with_absolute_paths(spec.job_options()), run_spec=text)
+    record = JobRecord(job, tmp_path / "run", metrics=None)
+    path = tmp_path / "run" / "job.yaml"
+    assert not path.exists()
+    plan = PlacementPlan(dp=1, cp=1, ranks=(RankPlacement(rank=0, node_id="n", slot=0),),
+                         rings=(RingCost(ring=0, ranks=(0,), nodes=("n",), cross_node_hops=0,
+                                         step_transfer_seconds=None),))
+    record.started(plan, step=0, restored=None)
+    assert path.read_text() == text
+    assert load_run_spec(tmp_path / "run").train_options() == spec.train_options()
     path.write_text("kept")
-    writer.update(_status("checkpointing"))
-    assert path.read_text() == "kept"  # once
+    record.started(plan, step=4, restored=None)  # a restart: not written again
+    assert path.read_text() == "kept"
 
-    assert job_started(_status("finished")) and job_started(_status("evaluating"))
-    # a short job the driver saw only after it stopped: it did train
-    assert job_started(_status("stopped", stepped=True))
-    assert not job_started(_status("failed"))
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    record = JobRecord(job, blocked, metrics=None)
+    (blocked / "job.yaml").mkdir()  # os.replace onto a directory fails
+    record.started(plan, step=0, restored=None)
+    assert any(e.message.startswith(f"warning: cannot write {blocked}/job.yaml")
+               for e in record.status().events)

@@ -17,7 +17,6 @@ from ringray.cli.common import err, fail, load_spec
 
 if TYPE_CHECKING:  # torch and Ray are imported when the command runs, not for --help
     from ringray.cluster.job_options import JobOptions
-    from ringray.cluster.status import JobStatus
     from ringray.spec import JobSpec
 
 T = TypeVar("T")
@@ -66,7 +65,11 @@ def train(
 def run_job(spec: JobSpec, *, address: str | None, force: bool = False) -> None:
     """Run ``spec``'s job on Ray and follow it to its end (`ringray train`, `ringray resume`).
     What can be checked before Ray starts is checked first, each refusal in one line."""
+    from ringray.spec.run_spec import run_spec_text
+
     job = _with_absolute_paths(spec.job_options())
+    # job.yaml is written by the controller, which writes the rest of the run directory too
+    job = replace(job, run_spec=run_spec_text(spec, run_dir=job.train.run_dir))
     if force:  # the workers' own check is off too
         job = _without_memory_check(job)
     address = address or os.environ.get("RAY_ADDRESS")
@@ -176,35 +179,6 @@ def _absolute(location: str) -> str:
     return location if "://" in location else str(Path(location).expanduser().resolve())
 
 
-def job_started(status: JobStatus) -> bool:
-    """Whether the job got past its start: its controller holds the run directory's lock and
-    its workers built (restoring the checkpoint, when there is one). A refused run (another
-    run holds the directory, a model that does not match the checkpoints) never does."""
-    return (status.state in ("running", "checkpointing", "evaluating", "finished")
-            or status.last_stats is not None)
-
-
-class _RunSpecWriter:
-    """Writes ``RUN/job.yaml`` (:mod:`ringray.spec.run_spec`) once the job has started, and
-    not before: nothing a refused run does changes the run directory."""
-
-    def __init__(self, spec: JobSpec, run_dir: str, *, say: Callable[[str], None],
-                 written: bool) -> None:
-        self.spec, self.run_dir, self.say, self.written = spec, run_dir, say, written
-
-    def update(self, status: JobStatus) -> None:
-        from ringray.spec.run_spec import write_run_spec
-
-        if self.written or not job_started(status):
-            return
-        self.written = True
-        try:
-            write_run_spec(self.spec, run_dir=self.run_dir)
-        except OSError as exc:
-            self.say(f"warning: cannot write {self.run_dir}/job.yaml ({exc.strerror}); "
-                     f"`ringray resume` needs it (train with the same spec instead)")
-
-
 class _Terminated(KeyboardInterrupt):
     """SIGTERM, handled as Ctrl-C is."""
 
@@ -286,20 +260,13 @@ def _follow_on_ray(spec: JobSpec, job: JobOptions, *, address: str | None) -> No
         err.print(f"metrics: {url} (Prometheus; dashboards in dashboards/)", highlight=False)
     # The controller's own event for that endpoint says the same: it is not printed again.
     view = _TrainView(job.train.train.steps, said=[f"metrics: {url}"] if url else [])
-    # A reattached job's spec was written by the driver that started it.
-    run_spec = _RunSpecWriter(spec, job.train.run_dir, say=view.say, written=reattached)
-
-    def on_status(status: JobStatus) -> None:
-        view.update(status)
-        run_spec.update(status)
-
     final = None
     with view:
         while final is None:
             try:
                 if early:
                     raise _Terminated if early.pop(0) == signal.SIGTERM else KeyboardInterrupt
-                final = follow(controller, on_status=on_status)
+                final = follow(controller, on_status=view.update)
             except KeyboardInterrupt as interrupt:
                 presses = view.interrupt(_signal_of(interrupt))
                 if presses == 1:

@@ -140,6 +140,11 @@ class JobOptions:
     train: TrainOptions
     cluster: ClusterOptions = field(default_factory=ClusterOptions)
     metrics: MetricsOptions = field(default_factory=MetricsOptions)
+    run_spec: str | None = None
+    """The job file as run (``RUN/job.yaml``'s text, :func:`ringray.spec.run_spec.
+    run_spec_text`): the controller writes it into the run directory once the job has
+    started, so the directory has one writer wherever `ringray train` runs (it may run on
+    another host than the controller). None: no job.yaml (a job started from Python)."""
 
     def __post_init__(self) -> None:
         parallel = self.train.parallel

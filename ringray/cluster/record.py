@@ -65,6 +65,7 @@ class JobRecord:
         self._error: str | None = None
         self._events: list[Event] = []
         self._held: list[dict] | None = None  # events not yet written (see hold_events)
+        self._run_spec_written = False
         if metrics is not None:
             metrics.target(job.replicas * job.dp_max * job.cp, replica_groups=job.replicas)
             metrics.state(self._state.value)
@@ -153,6 +154,19 @@ class JobRecord:
                     world_size_after=plan.world_size)
         self.event(f"started {plan.world_size} workers (dp={plan.dp} × cp={plan.cp}) at step "
                    f"{step}" + (f", restored {restored.location}" if restored else ""))
+        self._write_run_spec()
+
+    def _write_run_spec(self) -> None:
+        """``job.yaml``, once the job has started (a refused run never gets here) and once
+        per controller (a restart does not write it again)."""
+        if self.job.run_spec is None or self._run_spec_written:
+            return
+        self._run_spec_written = True
+        try:
+            self.run_dir.write_run_spec(self.job.run_spec)
+        except OSError as exc:
+            self.event(f"warning: cannot write {self.run_dir.path}/job.yaml ({exc.strerror}); "
+                       f"`ringray resume` needs it (train with the same spec instead)")
 
     # ----------------------------------------------------------------- training
     def replica_lost(self, index: int, *, reason: str, detail: str, left: int) -> None:

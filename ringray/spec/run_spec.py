@@ -1,10 +1,10 @@
-"""The job as a run ran it: ``RUN/job.yaml``, written by `ringray train`, read by
-`ringray resume` and `ringray export`.
+"""The job as a run ran it: ``RUN/job.yaml``, written by the job's controller under
+`ringray train` (rank 0 under torchrun), read by `ringray resume` and `ringray export`.
 
     write_run_spec(spec, run_dir="/home/me/runs/quickstart")   # once the run has started
     spec = load_run_spec("runs/quickstart-moved", ["train.steps=12"])   # wherever it is now
 
-`ringray train` writes the file only once the job has started: its controller holds the run
+The file is written only once the job has started: its controller holds the run
 directory's lock and the workers have built (and restored any checkpoint). A refused run
 (a live run holds the directory, a model that does not match the checkpoints) leaves the
 directory as it was. Local paths are recorded absolute (the run may be resumed from another
@@ -20,7 +20,6 @@ recorded.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import yaml
@@ -28,8 +27,9 @@ import yaml
 from ringray.spec.errors import load_yaml
 from ringray.spec.load import load_job_spec
 from ringray.spec.schema import JobSpec, JobSpecError
+from ringray.train.run_dir import RUN_SPEC as RUN_SPEC_NAME
+from ringray.train.run_dir import write_run_spec_file
 
-RUN_SPEC_NAME = "job.yaml"
 _HEADER = ("# The job as run by `ringray train` (overrides applied); `ringray resume RUN` and "
            "`ringray export RUN` read it\n# from wherever RUN is now (run_dir below is where it "
            "was run).\n")
@@ -53,14 +53,16 @@ def run_spec_data(spec: JobSpec, *, run_dir: str) -> dict:
     return data
 
 
+def run_spec_text(spec: JobSpec, *, run_dir: str) -> str:
+    """What job.yaml says: a header, then :func:`run_spec_data` as YAML. Under Ray the
+    driver makes it and the job's controller writes it (``JobOptions.run_spec``), so that
+    one process writes the whole run directory wherever the driver runs."""
+    return _HEADER + yaml.safe_dump(run_spec_data(spec, run_dir=run_dir), sort_keys=False)
+
+
 def write_run_spec(spec: JobSpec, *, run_dir: str) -> Path:
     """Write ``RUN/job.yaml`` whole (a reader never sees half of it); returns its path."""
-    path = Path(run_dir) / RUN_SPEC_NAME
-    text = _HEADER + yaml.safe_dump(run_spec_data(spec, run_dir=run_dir), sort_keys=False)
-    partial = path.with_name(f".{RUN_SPEC_NAME}.{os.getpid()}.partial")
-    partial.write_text(text)
-    os.replace(partial, path)
-    return path
+    return write_run_spec_file(run_dir, run_spec_text(spec, run_dir=run_dir))
 
 
 def relocation(data: dict, run_dir: Path) -> dict[str, str]:

@@ -5,6 +5,7 @@
     run_dir.restarted_at(step)           # steps.jsonl cut back to the restored step
     run_dir.record_step(stats)           # one line per step
     run_dir.record_passkey(report)       # passkey.json
+    run_dir.write_run_spec(text)         # job.yaml, whole, once the job has started
     run_dir.close()                      # the lock released
 
 One process writes a run directory: rank 0 under torchrun (:func:`ringray.train.loop.
@@ -16,6 +17,7 @@ returns is recorded here, by the same code on both paths.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from ringray.data import PasskeyReport
@@ -25,6 +27,18 @@ from ringray.train.step_stats import StepStats
 STEPS_LOG = "steps.jsonl"
 EVENTS_LOG = "events.jsonl"
 PASSKEY_REPORT = "passkey.json"
+RUN_SPEC = "job.yaml"
+"""The job file as run (:mod:`ringray.spec.run_spec` makes its text)."""
+
+
+def write_run_spec_file(run_dir: str | Path, text: str) -> Path:
+    """Write ``RUN/job.yaml`` whole (written aside, then moved into place: a reader never
+    sees half of it); returns its path."""
+    path = Path(run_dir) / RUN_SPEC
+    partial = path.with_name(f".{RUN_SPEC}.{os.getpid()}.partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+    return path
 
 
 class StepsLog:
@@ -106,6 +120,10 @@ class RunDirectory:
 
     def record_step(self, stats: StepStats) -> None:
         self.steps.append(stats)
+
+    def write_run_spec(self, text: str) -> Path:
+        """``job.yaml`` (:func:`write_run_spec_file`)."""
+        return write_run_spec_file(self.path, text)
 
     def record_passkey(self, report: PasskeyReport) -> None:
         (self.path / PASSKEY_REPORT).write_text(json.dumps(report.to_dict(), indent=2))
