@@ -196,6 +196,17 @@ class Host:
     def pids(self) -> list[int]:
         return self.anchor.pids()
 
+    def runs(self, text: str) -> bool:
+        """Whether a process of this host has ``text`` in its command line (Ray names an
+        actor's process ``ray::<Class>``)."""
+        for pid in self.pids():
+            try:
+                if text in Path(f"/proc/{pid}/cmdline").read_text():
+                    return True
+            except OSError:
+                continue
+        return False
+
     def kill(self) -> None:
         """Every process of this host, at once (a power cut; the host's namespaces stay)."""
         for pid in self.pids():
@@ -286,7 +297,10 @@ class Hosts:
         CPU slots), each in the foreground of its own process; returns once every node is
         alive in the head's view."""
         log_dir.mkdir(parents=True, exist_ok=True)
-        system = '{"health_check_period_ms": 1000, "health_check_failure_threshold": 3}'
+        # A node silent for about 3 s is dead (a partitioned one too: each check times out
+        # after 1 s instead of Ray's 10 s)
+        system = ('{"health_check_period_ms": 1000, "health_check_failure_threshold": 3, '
+                  '"health_check_timeout_ms": 1000}')
         common = ["--disable-usage-stats", "--block"]
         env = self.environment()
         self._ray_logs = log_dir
