@@ -17,11 +17,12 @@ one anchor process (``unshare ... sleep``); every command run "on" a host enters
 ``nsenter``, and Ray's processes inherit them. A host's processes are the ones whose network
 namespace is the host's, found in /proc: a kill stops exactly those, by pid.
 
-Options per host: ``second_interface`` (a second veth on a second bridge, 198.19.0.0/24;
-only the first reaches the other hosts' first addresses) and ``local_dir`` (a tmpfs mounted
-at that path inside the host's mount namespace: a node-local directory the others cannot
-see). Everything is removed on exit, also when a test fails: the host's processes, the
-anchors (the namespaces, their links and the bridges go with them).
+Options per host: ``second_interface`` (a second veth on a second bridge, 198.19.0.0/24,
+shared only by the hosts that have one: a network that does not reach the others) and
+``local_dir`` (a tmpfs mounted at that path inside the host's mount namespace: a node-local
+directory the others cannot see). Everything is removed on exit, also when a test fails:
+the host's processes, the anchors (the namespaces, their links and the bridges go with
+them).
 
 Needs root (``unshare --net``); :func:`hosts_unavailable` says why not, for a skip.
 """
@@ -192,6 +193,30 @@ class Host:
     def heal(self) -> None:
         """Its link back."""
         self._switch.sh("ip", "link", "set", self._port, "up")
+
+    def cut_from(self, other: Host) -> None:
+        """Partition this host from ``other`` alone (both keep every other link): a
+        blackhole route for each other's address on each side."""
+        self.anchor.sh("ip", "route", "add", "blackhole", f"{other.address}/32")
+        other.anchor.sh("ip", "route", "add", "blackhole", f"{self.address}/32")
+
+    def rejoin(self, other: Host) -> None:
+        """Undo :meth:`cut_from`."""
+        self.anchor.sh("ip", "route", "del", "blackhole", f"{other.address}/32")
+        other.anchor.sh("ip", "route", "del", "blackhole", f"{self.address}/32")
+
+    def sent_bytes(self, interface: str = "eth0") -> int:
+        """Bytes this host has sent on ``interface``."""
+        (link,) = json.loads(self.check(["ip", "-s", "-j", "link", "show", "dev", interface]))
+        return int(link["stats64"]["tx"]["bytes"])
+
+    def resolve_name_to(self, address: str) -> None:
+        """This host's own name resolves to ``address`` here (a private /etc/hosts in its
+        mount namespace), as on hosts whose name maps to another interface."""
+        hosts_file = Path(f"/tmp/ringray-hosts-{os.getpid()}-{self.index}")
+        hosts_file.write_text(f"127.0.0.1 localhost\n{address} {self.name}\n")
+        self.anchor.sh("mount", "--bind", str(hosts_file), "/etc/hosts")
+        hosts_file.unlink()  # the mount keeps it
 
     def pids(self) -> list[int]:
         return self.anchor.pids()

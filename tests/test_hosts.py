@@ -212,3 +212,86 @@ def test_a_partitioned_replica_host_is_replaced_and_fenced_when_it_comes_back(
           f"group trains on; the replacement heals on the spare host; the stale host's "
           f"processes end {stale_left:.0f} s after its link returns | 0 | "
           f"{next_step - cut:.1f}")
+
+
+@pytest.mark.slow
+def test_a_node_local_checkpoint_path_is_refused_in_one_line(tmp_path: Path) -> None:
+    """``checkpoint.path`` names a directory that each ring host has its own of (a local
+    disk): the first checkpoint cannot be committed (rank 0 does not see the other host's
+    files), and the job fails in one line naming the location, with no committed
+    checkpoint and no retry of a fault no retry can fix."""
+    local = tmp_path / "local-checkpoints"
+    with Hosts(3, local_dirs={1: str(local), 2: str(local)}) as hosts:
+        hosts.start_ray(slots={1: 1, 2: 1}, log_dir=tmp_path / "ray")
+        job = _job(tmp_path, "hosts-local", parallel={"cp": 2}, steps=8, interval=4,
+                   checkpoint_path=local)
+        log = tmp_path / "train.log"
+        process = _train(hosts, hosts.head, job, log)
+        process.wait(timeout=300)
+        text = log.read_text()
+
+    assert process.returncode != 0, text
+    events = _events(tmp_path / "run")
+    failed = [m for m in events if "share" in m]
+    assert failed, events
+    print(f"fault-matrix: node-local checkpoint.path | refused at the first commit: "
+          f"{failed[0].splitlines()[0][:200]} | 0 | -")
+
+
+@pytest.mark.slow
+def test_the_head_cut_off_from_one_ring_host_moves_the_ring_to_the_spare(
+        tmp_path: Path) -> None:
+    """The head host loses its route to one ring host, which still reaches the other ring
+    host: the head declares that node dead, the job restarts from its last checkpoint on the
+    ring host it still reaches and the spare, and finishes; steps after the checkpoint are
+    trained again, none before it."""
+    with Hosts(4) as hosts:
+        hosts.start_ray(slots={1: 1, 2: 1, 3: 1}, log_dir=tmp_path / "ray")
+        steps = 200
+        job = _job(tmp_path, "hosts-head-cut", parallel={"cp": 2}, steps=steps, interval=20)
+        log = tmp_path / "train.log"
+        process = _train(hosts, hosts.head, job, log)
+        run_dir = tmp_path / "run"
+        _wait_for_step(run_dir, 30, process, log)
+        ring = [h for h in hosts.hosts[1:] if h.runs("ray::TrainWorker")]
+        cut = time.monotonic()
+        ring[0].cut_from(hosts.head)
+        done = len(_steps(run_dir))
+        deadline = time.monotonic() + 240
+        while not any(", restored " in m for m in _events(run_dir)):
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.5)
+        resumed = max(_steps(run_dir), default=0)
+        next_step = _wait_for_step(run_dir, resumed + 1, process, log)
+        text = _finish(process, log)
+
+    assert _steps(run_dir) == list(range(1, steps + 1)), text  # cut back to the restore
+    events = _events(run_dir)
+    restored = [m for m in events if ", restored " in m]
+    at = int(restored[-1].split(" at step ")[1].split(",")[0])
+    print(f"fault-matrix: head cut off from one ring host | the ring restarts from its "
+          f"step-{at} checkpoint without that host | {done - at} (uncommitted) | "
+          f"{next_step - cut:.1f}")
+
+
+@pytest.mark.slow
+def test_collectives_leave_by_the_interface_that_reaches_the_peers(tmp_path: Path) -> None:
+    """A ring host has a second interface on a network that reaches none of the others,
+    and its host name resolves to that interface's address (gloo's default choice). The ring
+    trains, and its traffic leaves by the first interface, the one holding the node's
+    address: the second carries none of it."""
+    with Hosts(3, second_interface=(1,)) as hosts:
+        hosts[1].resolve_name_to(hosts[1].second_address)
+        hosts.start_ray(slots={1: 1, 2: 1}, log_dir=tmp_path / "ray")
+        job = _job(tmp_path, "hosts-two-nics", parallel={"cp": 2}, steps=8, interval=4)
+        before = hosts[1].sent_bytes("eth0"), hosts[1].sent_bytes("eth1")
+        log = tmp_path / "train.log"
+        text = _finish(_train(hosts, hosts.head, job, log), log)
+        after = hosts[1].sent_bytes("eth0"), hosts[1].sent_bytes("eth1")
+
+    assert "finished at step 8/8" in text, text
+    first, second = after[0] - before[0], after[1] - before[1]
+    assert first > 1_000_000, (first, second)  # 8 steps of a ring: megabytes
+    assert second < 10_000, (first, second)  # at most neighbour discovery, no ring traffic
+    print(f"fault-matrix: a ring host with a second, unroutable interface its name resolves "
+          f"to | trains; eth0 sent {first / 1e6:.1f} MB, eth1 {second} B | 0 | -")
