@@ -112,6 +112,7 @@ class RankResult:
     a2a_transfer_seconds: float = 0.0  # the same all-to-alls with no compute around them
     transfer_exposed_seconds: float = 0.0  # exposed_comm_seconds's transfer not hidden
     peer_wait_seconds: float = 0.0  # and its wait for a late peer
+    wall_seconds: float = 0.0  # forward + backward by the wall clock, barrier to backward's end
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,7 @@ class LayoutResult:
     peer_wait_seconds: list[float] | None = None  # per rank: waiting for a late peer
     peer_wait_seconds_max: float = 0.0
     transfers: str = "mask"  # ring_attention's transfers: "mask" or "all" (plain ring)
+    wall_seconds_max: float = 0.0  # the slowest rank's forward + backward, wall clock
 
 
 def _run_key(name: str, mode: str) -> str:
@@ -201,10 +203,12 @@ def _rank_main(rank: int, world: int, cfg: RingBenchConfig) -> dict:
             stats = RingStats()
             qg, kg, vg = (t.clone().requires_grad_() for t in (q_l, k_l, v_l))
             dist.barrier()
+            wall = time.perf_counter()
             out = ring_attention(qg, kg, vg, ring_group, ulysses_group=ulysses_group,
                                  layout=layout, causal=cfg.causal, stats=stats,
                                  documents=documents, transfers=mode)
             out.backward(dout_l)
+            wall = time.perf_counter() - wall
             transfer, transfer_bytes = ring_transfer_seconds(ring, k_ring)
             totals = stats.totals(transfer_seconds_per_byte=(
                 transfer / transfer_bytes if transfer_bytes else None))
@@ -215,7 +219,7 @@ def _rank_main(rank: int, world: int, cfg: RingBenchConfig) -> dict:
                                        transfer, totals.bytes_sent, totals.a2a_seconds,
                                        totals.a2a_bytes_sent, a2a_alone,
                                        totals.transfer_exposed_seconds,
-                                       totals.peer_wait_seconds))
+                                       totals.peer_wait_seconds, wall))
         per_layout[_run_key(name, mode)] = RankResult(
             compute_seconds=statistics.median(r.compute_seconds for r in rows),
             exposed_comm_seconds=statistics.median(r.exposed_comm_seconds for r in rows),
@@ -228,6 +232,7 @@ def _rank_main(rank: int, world: int, cfg: RingBenchConfig) -> dict:
             transfer_exposed_seconds=statistics.median(r.transfer_exposed_seconds
                                                        for r in rows),
             peer_wait_seconds=statistics.median(r.peer_wait_seconds for r in rows),
+            wall_seconds=statistics.median(r.wall_seconds for r in rows),
         )
     return {"single": single, "layouts": {n: asdict(r) for n, r in per_layout.items()}}
 
@@ -276,6 +281,7 @@ def summarize(cfg: RingBenchConfig, per_rank: list[dict]) -> list[LayoutResult]:
                 peer_wait_seconds=peer_wait,
                 peer_wait_seconds_max=max(peer_wait),
                 transfers=mode,
+                wall_seconds_max=max(r.wall_seconds for r in ranks),
             )
         )
     return results
