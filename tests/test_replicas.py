@@ -442,3 +442,30 @@ def test_steps_lines_from_before_replica_groups_still_load() -> None:
     assert (stats.committed, stats.quorum_size, stats.replicas_participating,
             stats.samples_dropped, stats.healed, stats.heal_seconds) == (True, 1, [], 0,
                                                                           False, 0.0)
+
+
+def test_torchft_advertises_the_address_of_the_route_to_the_lighthouse_not_the_host_name(
+) -> None:
+    """torchft's manager and checkpoint server advertised ``socket.gethostname()``: on hosts
+    whose names do not resolve elsewhere (KubeRay pods, the namespaced hosts of
+    tests/test_hosts.py) every group waited for an address nobody could reach. The address
+    advertised is the local end of the route to the Lighthouse, in URL form; torchft's real
+    HTTP checkpoint server (the transport ringray gives the manager) serves at it."""
+    from datetime import timedelta
+
+    import torchft
+
+    from ringray.train.replicas import _advertising_transport, advertised_host
+
+    assert advertised_host("http://127.0.0.1:29510") == "127.0.0.1"
+    assert advertised_host("127.0.0.1:1") == "127.0.0.1"
+    assert advertised_host("http://[::1]:80") == "[::1]"
+    with pytest.raises(ValueError, match=r"names no host"):
+        advertised_host("http://:4")
+    transport = _advertising_transport(torchft, "198.18.0.9", timedelta(seconds=5))
+    try:
+        assert transport.address().startswith("http://198.18.0.9:")
+        assert transport.address().endswith("/checkpoint/")
+        assert transport.metadata() == transport.address()  # what a healing peer is told
+    finally:
+        transport.shutdown(wait=False)

@@ -64,6 +64,13 @@ class ClusterOptions:
     """With parallel.dp_replicate > 1: a replica group silent this long is left out of the
     next quorum (the survivors' next step commits without it), and the first quorum waits
     this long for every group."""
+    replica_collective_timeout_seconds: Annotated[float, Gt(0)] = 30.0
+    """With parallel.dp_replicate > 1: how long a cross-replica gradient average waits for a
+    group that does not take part; past it the step is not committed and is taken again
+    without that group. A group cut off by a partition costs the others this long once (a
+    dead one costs nothing: its connections close). It must cover how much later one group
+    reaches the average than another (their steps start together). A heal's transfer has
+    the longer step timeout."""
     replica_standby: bool = False
     """With parallel.dp_replicate > 1: keep one replica group's workers started ahead on free
     slots apart from the live groups (processes up, devices set, no process group), so that a

@@ -291,6 +291,8 @@ class ReplicatedWorkerGroup:
         timeout = max(1.0, self.cluster.step_timeout_seconds / 2)
         return ReplicaGroup(index=index, count=self.count, lighthouse=self.lighthouse_address,
                             store=group.address, timeout_seconds=timeout,
+                            collective_timeout_seconds=self.cluster
+                            .replica_collective_timeout_seconds,
                             quorum_timeout_seconds=self.cluster.step_timeout_seconds)
 
     def build(self, options: TrainOptions, run: RunPlan) -> Restored:

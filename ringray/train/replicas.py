@@ -112,8 +112,12 @@ class ReplicaGroup:
     """``(host, port)`` of this group's TCPStore (torchrun's MASTER_ADDR and MASTER_PORT);
     the other groups reach it, so the host must be an address they can reach."""
     timeout_seconds: float = 60.0
-    """A cross-replica collective, a ``should_commit`` or a heal's transfer may take this
-    long before the step is given up (not committed)."""
+    """A ``should_commit`` or a heal's transfer may take this long before the step is given
+    up (not committed)."""
+    collective_timeout_seconds: float = 30.0
+    """A cross-replica gradient average waits this long for a group that does not take part
+    (one cut off by a partition: a dead one's connections close at once), then the step is
+    not committed and the next one forms its quorum without that group."""
     quorum_timeout_seconds: float = 60.0
     """How long a step's start waits for the quorum to form."""
 
@@ -269,8 +273,11 @@ def torchft_manager(group: ReplicaGroup, rank: int, world_size: int,
     torchft = require_torchft()
     importlib.import_module("torchft.checkpointing")
     timeout = timedelta(seconds=group.timeout_seconds)
-    pg = (torchft.ProcessGroupNCCL(timeout=timeout) if torch.cuda.is_available()
-          else torchft.ProcessGroupGloo(timeout=timeout))
+    # The process group's own timeout bounds each average; the manager's (longer) bounds
+    # should_commit and a heal's transfer, which moves the whole state.
+    collective = timedelta(seconds=group.collective_timeout_seconds)
+    pg = (torchft.ProcessGroupNCCL(timeout=collective) if torch.cuda.is_available()
+          else torchft.ProcessGroupGloo(timeout=collective))
     host, port = group.store
     me = advertised_host(group.lighthouse)
     return torchft.Manager(
