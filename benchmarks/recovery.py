@@ -5,6 +5,7 @@
     python benchmarks/recovery.py --scenario all --repeat 3   # everything, with medians
     python benchmarks/recovery.py --skip-ray-train       # ringray alone
     python benchmarks/recovery.py --json
+    python benchmarks/recovery.py --hosts --faults kill,partition   # on real hosts (root)
 
 **restart**: seconds from the death of the node running a CP=2 ring to the first training
 step completed after the restart, how soon the failure was noticed, and the steps done
@@ -17,6 +18,11 @@ committed with them, the steps rolled back and the samples dropped. Ray Train ne
 ``recovery_common.py`` next to this script; ringray's side is in ``recovery_ringray.py``,
 Ray Train's in ``recovery_ray_train.py``.
 
+With ``--hosts`` each Ray node runs on a host of its own (``recovery_hosts.py``: network
+namespaces with their own addresses and host names, ``tests/hosts.py``), the driver joins
+the head host's network, and the node's death is, per ``--faults``, a kill (every process of
+its host) or a partition (its link cut; the host lives on, unreachable).
+
 Everything the Ray processes print (raylet and worker logs, node deaths) goes to
 ``<work dir>/ray-output.log``; the terminal shows only the progress lines, the table and
 where that log is. Without ``--work-dir`` the work dir is a new temporary directory that is
@@ -28,7 +34,8 @@ import sys
 
 # Ray reads these when it is imported (and the nodes started here inherit them): loopback
 # addresses stay as they are, test clusters need no auth token, and Ray Train is v2.
-os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+# On real hosts (--hosts) the nodes have addresses of their own: multi-node Ray is allowed.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "1" if "--hosts" in sys.argv else "0"
 os.environ["RAY_AUTH_MODE"] = "disabled"
 os.environ["RAY_TRAIN_V2_ENABLED"] = "1"
 
@@ -81,10 +88,11 @@ CLUSTERS = {"restart": {"worker_nodes": 2, "head_cpus": 0},
 
 
 def run_recovery_bench(
-    options: RecoveryBenchOptions, *, log: Log = print
+    options: RecoveryBenchOptions, *, log: Log = print, faults: tuple[str, ...] = ()
 ) -> list[RecoveryResult]:
     """Each system of each scenario ``options.repeats`` times, alternating (so that a
-    shared machine's load drifts over all alike), each run on a fresh local cluster."""
+    shared machine's load drifts over all alike), each run on a fresh local cluster, or,
+    with ``faults`` (``kill``, ``partition``), on fresh real hosts once per fault."""
     ray_train = options.ray_train and ray_train_missing() is None
     if options.ray_train and not ray_train:
         log(ray_train_missing())
@@ -97,23 +105,35 @@ def run_recovery_bench(
     results = []
     for run in range(1, options.repeats + 1):
         for scenario in options.scenarios:
-            for name, measure in systems[scenario]:
-                work_dir = Path(options.work_dir) / f"run{run}"
-                log(f"{name}, {scenario}, run {run} of {options.repeats} "
-                    f"(load average {os.getloadavg()[0]:.1f})")
-                try:
-                    with local_cluster(slots_per_node=options.slots_per_node,
-                                       **CLUSTERS[scenario]) as nodes:
-                        result = measure(options, nodes, work_dir, log)
-                except Exception as exc:  # one run's harness failure: recorded, not fatal
-                    log(f"{name}, {scenario}, run {run}: {type(exc).__name__}: {exc}")
-                    result = RecoveryResult(
-                        system=name, scenario=scenario, death_to_first_step_seconds=None,
-                        detection_seconds=None, ready_seconds=None, steps_lost=None,
-                        restarts=0, final_step=0, finished=False,
-                        note=f"harness error: {type(exc).__name__}: {exc}"[:300])
-                results.append(replace(with_load(result), run=run))
+            for fault in faults or (None,):
+                for name, measure in systems[scenario]:
+                    label = scenario if fault is None else f"{scenario}, {fault}"
+                    work_dir = Path(options.work_dir) / (
+                        f"run{run}" if fault is None else f"run{run}-{fault}")
+                    log(f"{name}, {label}, run {run} of {options.repeats} "
+                        f"(load average {os.getloadavg()[0]:.1f})")
+                    try:
+                        with _cluster(options, scenario, fault, work_dir) as nodes:
+                            result = measure(options, nodes, work_dir, log)
+                    except Exception as exc:  # one run's harness failure: recorded
+                        log(f"{name}, {label}, run {run}: {type(exc).__name__}: {exc}")
+                        result = RecoveryResult(
+                            system=name, scenario=scenario, death_to_first_step_seconds=None,
+                            detection_seconds=None, ready_seconds=None, steps_lost=None,
+                            restarts=0, final_step=0, finished=False,
+                            note=f"harness error: {type(exc).__name__}: {exc}"[:300])
+                    results.append(replace(with_load(result), run=run, scenario=label))
     return results
+
+
+def _cluster(options: RecoveryBenchOptions, scenario: str, fault: str | None, work_dir: Path):
+    """A fresh local cluster, or (``fault`` given: ``--hosts``) a cluster on real hosts."""
+    if fault is None:
+        return local_cluster(slots_per_node=options.slots_per_node, **CLUSTERS[scenario])
+    from recovery_hosts import host_cluster
+
+    return host_cluster(slots_per_node=options.slots_per_node, fault=fault,
+                        log_dir=work_dir / "hosts", **CLUSTERS[scenario])
 
 
 @contextmanager
@@ -174,7 +194,16 @@ def main() -> None:
     parser.add_argument("--skip-ray-train", action="store_true",
                         help="measure ringray alone")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--hosts", action="store_true",
+                        help="each node on a host of its own (network namespaces; root)")
+    parser.add_argument("--faults", default="kill",
+                        help="with --hosts: how the node dies, comma-separated: kill "
+                             "(every process of its host), partition (its link cut)")
     args = parser.parse_args()
+    faults = tuple(f for f in args.faults.split(",") if f) if args.hosts else ()
+    bad = [f for f in faults if f not in ("kill", "partition")]
+    if args.hosts and (bad or not faults):
+        parser.error(f"--faults: {','.join(bad) or 'none given'}; valid: kill, partition")
     scenarios = SCENARIOS if args.scenario == "all" else (args.scenario,)
     if "restart" in scenarios and args.kill_after >= args.steps:
         parser.error(f"--kill-after ({args.kill_after}) must be below --steps ({args.steps})")
@@ -197,7 +226,7 @@ def main() -> None:
     try:
         with output_to(log_path) as terminal:
             err = Console(file=terminal, highlight=False, markup=False)
-            results = run_recovery_bench(options, log=err.print)
+            results = run_recovery_bench(options, log=err.print, faults=faults)
     except BaseException:
         print(where, file=sys.stderr, flush=True)
         raise

@@ -44,6 +44,11 @@ FIRST_NET = "198.18.0"
 SECOND_NET = "198.19.0"
 """The optional second interface: 198.19.0.(index + 1)/24, on a bridge of its own."""
 RAY_PORT = 6379
+RAY_START_COMMON = ("--disable-usage-stats", "--block")
+HEALTH_CHECKS = json.dumps({"health_check_period_ms": 1000, "health_check_failure_threshold": 3,
+                            "health_check_timeout_ms": 1000})
+"""A node silent for about 3 s is declared dead (a partitioned one too: each check times out
+after 1 s instead of Ray's 10 s)."""
 VENV_BIN = Path(sys.executable).parent
 
 
@@ -68,6 +73,34 @@ def _net_namespace(pid: int) -> str | None:
         return None
 
 
+OWNER_VARIABLE = "RINGRAY_HOSTS_OWNER"
+"""Set to the harness's pid in every process it starts on a host (Ray's inherit it), so
+that a later harness can find and stop what a harness killed without cleaning up left."""
+
+
+def sweep_orphans() -> list[int]:
+    """Kill the processes of earlier harnesses whose own process is gone (a crash or a
+    SIGKILL skipped their cleanup); returns their pids. Only processes that carry
+    :data:`OWNER_VARIABLE` are considered."""
+    killed = []
+    marker = f"{OWNER_VARIABLE}=".encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            environ = Path(f"/proc/{entry}/environ").read_bytes()
+        except OSError:
+            continue
+        for item in environ.split(b"\0"):
+            if item.startswith(marker):
+                owner = int(item[len(marker):] or 0)
+                if owner and not Path(f"/proc/{owner}").exists():
+                    _kill(int(entry))
+                    killed.append(int(entry))
+                break
+    return killed
+
+
 class _Anchor:
     """A process that holds new namespaces (and does nothing else)."""
 
@@ -75,7 +108,8 @@ class _Anchor:
         self.process = subprocess.Popen(
             ["unshare", "--net", "--uts", "--mount", "--propagation", "private", "sh", "-c",
              f"hostname {hostname} && ip link set lo up && exec sleep infinity"],
-            stdin=subprocess.DEVNULL, start_new_session=True)
+            stdin=subprocess.DEVNULL, start_new_session=True,
+            env={**os.environ, OWNER_VARIABLE: str(os.getpid())})
         self.pid = self.process.pid
         deadline = time.monotonic() + 10
         while _net_namespace(self.pid) == _net_namespace(os.getpid()):
@@ -135,6 +169,7 @@ class Host:
             Path(local_dir).mkdir(parents=True, exist_ok=True)
             self.anchor.sh("mount", "-t", "tmpfs", "-o", "size=256m", "tmpfs", local_dir)
         self.processes: list[subprocess.Popen] = []
+        self._ray_dir: Path | None = None
 
     def _link(self, port: str, name: str, bridge: str, address: str) -> None:
         """A veth pair made in the switch: ``port`` on ``bridge``, the other end moved here."""
@@ -149,7 +184,10 @@ class Host:
     def private_ray_dir(self, directory: Path) -> None:
         """``directory`` mounted at /tmp/ray inside this host: its Ray sessions, sockets and
         logs are its own, as on a host of its own (Ray's node processes of two hosts cannot
-        share /tmp/ray: their sockets and ``session_latest`` clash)."""
+        share /tmp/ray: their sockets and ``session_latest`` clash). Once per host."""
+        if self._ray_dir == directory:
+            return
+        self._ray_dir = directory
         directory.mkdir(parents=True, exist_ok=True)
         Path("/tmp/ray").mkdir(exist_ok=True)
         self.anchor.sh("mount", "--bind", str(directory), "/tmp/ray")
@@ -161,6 +199,7 @@ class Host:
     def run(self, argv: Sequence[str], *, env: dict[str, str] | None = None,
             **popen) -> subprocess.Popen:
         """Start ``argv`` inside this host (its processes are killed with it)."""
+        env = {**(os.environ if env is None else env), OWNER_VARIABLE: str(os.getpid())}
         process = subprocess.Popen(self.command(argv), env=env, stdin=subprocess.DEVNULL,
                                    **popen)
         self.processes.append(process)
@@ -266,6 +305,7 @@ class Hosts:
         why = hosts_unavailable()
         if why:
             raise RuntimeError(why)
+        sweep_orphans()
         try:
             self.switch = _Anchor("rr-switch")
             for bridge in ("br0",) + (("br1",) if self._second else ()):
@@ -310,6 +350,7 @@ class Hosts:
         no auth token, fast node-death detection."""
         env = dict(os.environ)
         env.pop("RAY_ADDRESS", None)
+        env[OWNER_VARIABLE] = str(os.getpid())
         env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="1", RAY_AUTH_MODE="disabled",
                    RAY_USAGE_STATS_ENABLED="0", PATH=f"{VENV_BIN}:{env.get('PATH', '')}")
         env.update(extra)
@@ -317,39 +358,41 @@ class Hosts:
 
     def start_ray(self, *, slots: dict[int, int], log_dir: Path,
                   resources: dict[int, dict[str, float]] | None = None,
-                  timeout: float = 90) -> None:
-        """``ray start`` on the head (no worker slots) and on each host of ``slots`` (index →
-        CPU slots), each in the foreground of its own process; returns once every node is
-        alive in the head's view."""
-        log_dir.mkdir(parents=True, exist_ok=True)
-        # A node silent for about 3 s is dead (a partitioned one too: each check times out
-        # after 1 s instead of Ray's 10 s)
-        system = ('{"health_check_period_ms": 1000, "health_check_failure_threshold": 3, '
-                  '"health_check_timeout_ms": 1000}')
-        common = ["--disable-usage-stats", "--block"]
-        env = self.environment()
+                  head_cpus: int = 0, timeout: float = 90) -> None:
+        """``ray start`` on the head (``head_cpus`` CPUs: no worker slots by default) and on
+        each host of ``slots`` (index → CPU slots, with ``resources`` of their own), each in
+        the foreground of its own process; returns once every node is alive in the head's
+        view."""
         self._ray_logs = log_dir
-        for host in [self.head, *(self.hosts[i] for i in slots)]:
-            host.private_ray_dir(log_dir / f"ray-h{host.index}")
+        log_dir.mkdir(parents=True, exist_ok=True)
+        # The head keeps the machine's /tmp/ray: a driver that joins only its network
+        # namespace (benchmarks/recovery_hosts.py) must find the head's raylet socket there.
         head = self.head.run([str(VENV_BIN / "ray"), "start", "--head",
-                       f"--node-ip-address={self.head.address}", f"--port={RAY_PORT}",
-                       "--num-cpus=0", "--include-dashboard=false",
-                       f"--system-config={system}", *common],
-                      env=env, stdout=open(log_dir / "ray-h0.log", "w"),
-                      stderr=subprocess.STDOUT)
+                              f"--node-ip-address={self.head.address}", f"--port={RAY_PORT}",
+                              f"--num-cpus={head_cpus}", "--include-dashboard=false",
+                              f"--system-config={HEALTH_CHECKS}", *RAY_START_COMMON],
+                             env=self.environment(), stdout=open(log_dir / "ray-h0.log", "w"),
+                             stderr=subprocess.STDOUT)
         self._ray_processes.append((self.head, head))
+        self._wait_for_head(self.environment(), timeout)
         for index, count in slots.items():
-            extra = (resources or {}).get(index)
-            host = self.hosts[index]
-            argv = [str(VENV_BIN / "ray"), "start", f"--address={self.ray_address}",
-                    f"--node-ip-address={host.address}", f"--num-cpus={count}", *common]
-            if extra:
-                argv.append(f"--resources={json.dumps(extra)}")
-            self._wait_for_head(env, timeout)
-            self._ray_processes.append((host, host.run(
-                argv, env=env, stdout=open(log_dir / f"ray-h{index}.log", "w"),
-                stderr=subprocess.STDOUT)))
+            self.start_worker(self.hosts[index], slots=count,
+                              resources=(resources or {}).get(index), log_dir=log_dir)
         self.wait_for_nodes(1 + len(slots), timeout=timeout, starting=True)
+
+    def start_worker(self, host: Host, *, slots: int, log_dir: Path,
+                     resources: dict[str, float] | None = None) -> None:
+        """``ray start`` of a worker node on ``host``, joining the head (not waited for)."""
+        log_dir.mkdir(parents=True, exist_ok=True)
+        host.private_ray_dir(log_dir / f"ray-h{host.index}")
+        argv = [str(VENV_BIN / "ray"), "start", f"--address={self.ray_address}",
+                f"--node-ip-address={host.address}", f"--num-cpus={slots}",
+                *RAY_START_COMMON]
+        if resources:
+            argv.append(f"--resources={json.dumps(resources)}")
+        self._ray_processes.append((host, host.run(
+            argv, env=self.environment(), stdout=open(log_dir / f"ray-h{host.index}.log", "w"),
+            stderr=subprocess.STDOUT)))
 
     def _check_ray_processes(self) -> None:
         """Raise with its log's tail if a host's ``ray start`` has exited."""
