@@ -10,7 +10,8 @@ two processes running the fused path (the Triton kernels, in Triton's interprete
   ``int()``, ``float()`` (counted by wrapping those methods and keeping the calls whose
   caller is a ``ringray`` module), apart from the agreement's read of its host vector;
 - host-to-device copies of positions, document ids and tile metadata: misses of the caches
-  that hold them (``_device_tokens``, the rank and transfer plans, the Triton tile lists).
+  that hold them (``_device_tokens``, the rank and transfer plans, the own block's steps, the
+  Triton tile lists).
 
 The one thing allowed per call is the agreement, a 25-integer MAX all-reduce on the ring's
 CPU side group (``agreement_group``); its wall time per call is printed.
@@ -70,11 +71,12 @@ def _instrument(log: list[tuple[str, str]]):
 
 def _cache_misses() -> dict[str, int]:
     from ringray.attention.backends.triton_tiles import TILE_LISTS
-    from ringray.attention.ring import _device_tokens, _plan, _transfers
+    from ringray.attention.ring import _device_tokens, _own_steps, _plan, _transfers
 
     return {"device tokens": _device_tokens.cache_info().misses,
             "plans": _plan.cache_info().misses,
-            "transfer plans": _transfers.cache_info().misses, "tile lists": TILE_LISTS.builds}
+            "transfer plans": _transfers.cache_info().misses,
+            "own-block steps": _own_steps.cache_info().misses, "tile lists": TILE_LISTS.builds}
 
 
 def _rank_counts(rank: int, world: int) -> dict:
@@ -142,7 +144,7 @@ def test_first_call_fills_the_caches_and_the_next_calls_do_not_sync(ranks) -> No
             assert syncs == [], f"rank {rank}, call {n}: {syncs}"
             assert [e for e in record["log"] if e[0] == "agreement"] == [("agreement", "")]
             assert record["misses"] == {"device tokens": 0, "plans": 0, "transfer plans": 0,
-                                        "tile lists": 0}
+                                        "own-block steps": 0, "tile lists": 0}
         print(f"rank {rank}: agreement {result['agreement_ms']:.3f} ms per call "
               f"(gloo, local processes); first call's cache misses {first['misses']}")
 

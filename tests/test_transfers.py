@@ -12,6 +12,7 @@ transport). The exactness of the ring itself is pinned by the multi-process test
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 
 import pytest
@@ -380,11 +381,13 @@ def test_the_ring_tests_run_a_spread_own_block():
             assert any(plan.own_schedule(r, phase) is not None for r in range(world))
 
 
-def test_chunk_pieces_covers_exactly_the_pieces_pairs():
+def test_split_pieces_covers_exactly_the_pieces_pairs_in_the_shares_asked_for():
     """Units of a block cut by query rows cover every visible pair of its pieces exactly
-    once (a CAUSAL square's row band: a FULL rectangle and a smaller CAUSAL square), in
-    about the units asked for."""
-    from ringray.attention.steps import Piece, PieceKind, chunk_pieces
+    once (a CAUSAL square's row band: a FULL rectangle and a smaller CAUSAL square), one
+    unit per share, the units' running pairs within a query row of the shares' running
+    proportion; a piece is cut only where a share ends inside it (k shares: at most
+    2 (k - 1) more kernel calls), and one share leaves the pieces as they are."""
+    from ringray.attention.steps import Piece, PieceKind, split_pieces
 
     def cover(pieces) -> torch.Tensor:
         grid = torch.zeros(96, 96, dtype=torch.int32)
@@ -399,10 +402,19 @@ def test_chunk_pieces_covers_exactly_the_pieces_pairs():
 
     pieces = (Piece(PieceKind.CAUSAL, 0, 40, 0, 40), Piece(PieceKind.FULL, 40, 52, 0, 30),
               Piece(PieceKind.MASKED, 52, 96, 30, 61), Piece(PieceKind.CAUSAL, 52, 53, 61, 62))
-    for chunks in (1, 2, 5, 16):
-        units = chunk_pieces(pieces, chunks)
-        assert torch.equal(cover([p for unit in units for p in unit]), cover(pieces))
-        assert chunks // 2 <= len(units) <= 2 * chunks + 1, (chunks, len(units))
+    total = sum(p.pairs for p in pieces)
+    widest_row = max(p.k_end - p.k_start for p in pieces)
+    assert split_pieces(pieces, [7]) == (pieces,)
+    for shares in ([1, 1], [3, 1, 2], [5, 0, 5], [1] * 16, [1, 100, 1], [0, 1]):
+        units = split_pieces(pieces, shares)
+        assert len(units) == len(shares)
+        flat = [p for unit in units for p in unit]
+        assert torch.equal(cover(flat), cover(pieces))
+        assert len(flat) <= len(pieces) + 2 * (len(shares) - 1)
+        done = 0
+        for unit, upto in zip(units, itertools.accumulate(shares), strict=True):
+            done += sum(p.pairs for p in unit)
+            assert abs(done - total * upto / sum(shares)) <= widest_row, (shares, units)
 
 
 def test_whole_layout_numbers_its_ranks_so_that_the_rounds_wait_least():

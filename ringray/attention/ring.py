@@ -30,8 +30,9 @@ steps at all on that rank.
 
 Forward: the own block first, then each received block; where the layout is balanced in
 total but not per step, the transfer plan instead spreads the own block over the steps in
-which this rank would wait for a peer (:meth:`TransferPlan.own_schedule`), computed in units
-cut by query rows, so that it fills those waits. Each step's pieces (see
+which this rank would wait for a peer (:meth:`TransferPlan.own_schedule`), so that it fills
+those waits: each such step computes exactly its share, the block cut by query rows only
+where a share ends inside a piece. Each step's pieces (see
 :mod:`ringray.attention.steps`) go to the local kernel and merge into float32 (out, LSE)
 accumulators with the online-softmax rule. A backend with the fused ring-step capability
 (:class:`~ringray.attention.backends.FusedStepBackend`, e.g. ``triton``) instead gets the
@@ -65,7 +66,7 @@ from ringray.attention.documents import Documents
 from ringray.attention.layouts import Layout
 from ringray.attention.merge import merge_into
 from ringray.attention.stats import NULL_TIMER, RingCallRecord, RingStats, StepTimer
-from ringray.attention.steps import Piece, PieceKind, RankPlan, plan_rank
+from ringray.attention.steps import Piece, PieceKind, RankPlan, plan_rank, split_pieces
 from ringray.attention.transfers import TransferPlan, plan_transfers
 from ringray.attention.ulysses import (
     UlyssesComm,
@@ -304,6 +305,7 @@ class RingCall:
     window: int | None
     plan: RankPlan
     transfers: TransferPlan
+    every_block: bool  # transfers="all": every block whole to every rank
 
     @property
     def fused(self) -> FusedStepBackend | None:
@@ -338,33 +340,46 @@ class _Buffers:
 class _OwnBlock:
     """When this rank computes its own block in one phase. ``None`` from
     :meth:`TransferPlan.own_schedule`: all of it at its classic step (``spread`` is False).
-    Otherwise the block is cut into units (:attr:`RankPlan.own_units`; one unit, the whole block,
-    for a fused backend) and :meth:`due` hands out, after each step's block, the units that
-    bring the share done up to the schedule's (the last step: all that is left; nothing
-    when the block is not spread)."""
+    Otherwise :meth:`due` gives, at each step, the part of the block the schedule puts there
+    (:func:`_own_steps`: cut once per cached plan, only where the schedule needs a cut)."""
 
     def __init__(self, call: RingCall, phase: str) -> None:
-        schedule = call.transfers.own_schedule(call.comm.rank, phase)
-        self.spread = schedule is not None and schedule[-1] > 0
-        self._units: list[tuple[tuple[Piece, ...] | None, float]] = []
-        if not self.spread:
-            return
-        self._targets = [done / schedule[-1] for done in schedule]
-        self._units = [(None, 1.0)] if call.fused is not None else list(call.plan.own_units)
-        self._done = 0.0
+        self._steps = _own_steps(call.layout, call.comm.rank, call.causal, call.documents,
+                                 call.window, call.every_block, phase,
+                                 call.fused is not None)
+        self.spread = self._steps is not None
 
-    def due(self, index: int) -> list[tuple[Piece, ...] | None]:
+    def due(self, index: int) -> tuple[tuple[Piece, ...] | None, ...]:
         """The units to compute at step ``index`` (``None``: the whole block, fused)."""
-        if not self.spread:
-            return []
-        last = index == len(self._targets) - 1
-        out = []
-        while self._units and (last or self._done + self._units[0][1] / 2
-                               <= self._targets[index]):
-            unit, weight = self._units.pop(0)
-            self._done += weight
-            out.append(unit)
-        return out
+        return self._steps[index] if self._steps is not None else ()
+
+
+@lru_cache(maxsize=256)
+def _own_steps(layout: Layout, rank: int, causal: bool, documents: Documents | None,
+               window: int | None, every_block: bool, phase: str,
+               fused: bool) -> tuple[tuple[tuple[Piece, ...] | None, ...], ...] | None:
+    """Per step of ``rank``'s steps in ``phase``, the units of its own block to compute
+    there, or ``None`` when the block keeps its classic place. A step gets one unit holding
+    exactly its share of the schedule's pairs (:func:`split_pieces`: a piece is cut only
+    where a share ends inside it, so a block spread over k steps makes at most 2 (k - 1)
+    more kernel calls than the block whole), or nothing. A fused backend computes the block
+    in one call: at the first step by which the schedule has done half of it. Cached like
+    the plans, so a ring call plans nothing."""
+    plan = _transfers(layout, causal, documents, window, every_block)
+    schedule = plan.own_schedule(rank, phase)
+    if schedule is None or schedule[-1] <= 0:
+        return None
+    if fused:
+        half = next(i for i, done in enumerate(schedule) if 2 * done >= schedule[-1])
+        return tuple((None,) if i == half else () for i in range(len(schedule)))
+    shares = [done - before for before, done in zip((0, *schedule), schedule, strict=False)]
+    at = [i for i, share in enumerate(shares) if share > 0]
+    units = split_pieces(_plan(layout, rank, causal, documents, window).pieces[rank],
+                         [shares[i] for i in at])
+    steps: list[tuple[tuple[Piece, ...], ...]] = [()] * len(schedule)
+    for i, unit in zip(at, units, strict=True):
+        steps[i] = (unit,) if unit else ()
+    return tuple(steps)
 
 
 def _record_call(call: RingCall, phase: str, kv_bytes: int, dkv_bytes: int,
@@ -398,7 +413,8 @@ class _RingAttention(torch.autograd.Function):
                         stats=stats, kv_dtype=k.dtype, positions=positions, doc_ids=doc_ids,
                         documents=documents, window=window,
                         plan=_plan(layout, rank, causal, documents, window),
-                        transfers=_transfers(layout, causal, documents, window, every_block))
+                        transfers=_transfers(layout, causal, documents, window, every_block),
+                        every_block=every_block)
         acc = accumulation_dtype(q.dtype)
         batch, seq, q_heads, head_dim = q.shape
         q_t = q.transpose(1, 2)

@@ -40,8 +40,9 @@ from __future__ import annotations
 
 import bisect
 import enum
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 
@@ -187,16 +188,6 @@ class RankPlan:
     @property
     def pairs_per_block(self) -> tuple[int, ...]:
         return tuple(sum(p.pairs for p in block) for block in self.pieces)
-
-    @cached_property
-    def own_units(self) -> tuple[tuple[tuple[Piece, ...], float], ...]:
-        """The own block cut into about :data:`OWN_UNITS` units (:func:`chunk_pieces`), each
-        with its share of the block's pairs: what the ring computes step by step where the
-        transfer plan spreads the own block. Made once per plan (plans are cached)."""
-        units = chunk_pieces(self.pieces[self.rank], OWN_UNITS)
-        weights = [sum(p.pairs for p in unit) for unit in units]
-        total = sum(weights) or 1
-        return tuple((unit, weight / total) for unit, weight in zip(units, weights, strict=True))
 
 
 def plan_rank(
@@ -352,52 +343,57 @@ def _int32(values: torch.Tensor | None) -> torch.Tensor | None:
     return values.to(torch.int32) if values is not None else None
 
 
-# The own block is cut into about this many units when the transfer plan spreads it over the
-# steps (TransferPlan.own_schedule; RankPlan.own_units).
-OWN_UNITS = 16
-
-
-def chunk_pieces(pieces: tuple[Piece, ...], chunks: int) -> tuple[tuple[Piece, ...], ...]:
-    """``pieces`` regrouped, in order, into about ``chunks`` units of near-equal pairs, so
-    that a block's compute can be spread over several ring steps. A piece larger than a unit
-    is cut by query rows: a FULL or MASKED piece into row bands over the same keys, a CAUSAL
-    square's row band ``[i, j)`` into a FULL rectangle over keys ``[0, i)`` and the CAUSAL
-    square ``[i, j)``. The units cover exactly the pieces' query-key pairs."""
-    total = sum(p.pairs for p in pieces)
-    if not pieces or chunks <= 1 or total == 0:
-        return (tuple(pieces),) if pieces else ()
-    target = total / chunks
-    cut: list[Piece] = []
+def split_pieces(pieces: tuple[Piece, ...],
+                 shares: Sequence[int]) -> tuple[tuple[Piece, ...], ...]:
+    """``pieces`` regrouped, in order, into ``len(shares)`` consecutive units whose pairs are
+    in the proportions of ``shares`` (as nearly as whole query rows allow), so that a block's
+    compute can be spread over several ring steps. A piece is cut only where a unit boundary
+    falls inside it, by query rows: a FULL or MASKED piece into row bands over the same keys,
+    a CAUSAL square's row band ``[i, j)`` into a FULL rectangle over keys ``[0, i)`` and the
+    CAUSAL square ``[i, j)``. So ``k`` units add at most ``2 (k - 1)`` kernel calls to the
+    block's own (one share: the pieces as they are). The units cover exactly the pieces'
+    query-key pairs; a unit may be empty."""
+    total, weight = sum(p.pairs for p in pieces), sum(shares)
+    if len(shares) <= 1 or total == 0 or weight <= 0:
+        return (tuple(pieces), *((),) * (len(shares) - 1)) if shares else ()
+    # The pair counts, from the block's start, at which each unit but the last ends.
+    bounds = [total * done / weight for done in itertools.accumulate(shares[:-1])]
+    units: list[list[Piece]] = [[] for _ in shares]
+    unit, start = 0, 0
     for piece in pieces:
-        rows = piece.q_end - piece.q_start
-        bands = min(rows, max(1, round(piece.pairs / target)))
-        if bands == 1:
-            cut.append(piece)
-            continue
-        if piece.kind is PieceKind.CAUSAL:  # equal areas: band edges at rows * sqrt(t / m)
-            edges = [round(rows * (t / bands) ** 0.5) for t in range(bands + 1)]
-        else:
-            edges = [rows * t // bands for t in range(bands + 1)]
-        for lo, hi in zip(edges, edges[1:], strict=False):
-            if hi <= lo:
-                continue
-            q0, q1 = piece.q_start + lo, piece.q_start + hi
-            if piece.kind is PieceKind.CAUSAL:
-                if lo:
-                    cut.append(Piece(PieceKind.FULL, q0, q1, piece.k_start, piece.k_start + lo))
-                cut.append(Piece(PieceKind.CAUSAL, q0, q1, piece.k_start + lo,
-                                 piece.k_start + hi))
-            else:
-                cut.append(Piece(piece.kind, q0, q1, piece.k_start, piece.k_end))
-    units: list[tuple[Piece, ...]] = []
-    unit: list[Piece] = []
-    pairs = 0
-    for piece in cut:
-        unit.append(piece)
-        pairs += piece.pairs
-        if pairs >= target * (1 - 1e-9):
-            units.append(tuple(unit))
-            unit, pairs = [], 0
-    if unit:
-        units.append(tuple(unit))
-    return tuple(units)
+        rows, end = piece.q_end - piece.q_start, start + piece.pairs
+        edges, owners = [0], []
+        while unit < len(bounds) and bounds[unit] < end:
+            edges.append(min(max(_rows_holding(piece, bounds[unit] - start), edges[-1]), rows))
+            owners.append(unit)
+            unit += 1
+        edges.append(rows)
+        owners.append(unit)
+        for (lo, hi), owner in zip(itertools.pairwise(edges), owners, strict=True):
+            units[owner].extend(_row_band(piece, lo, hi))
+        start = end
+    return tuple(tuple(u) for u in units)
+
+
+def _rows_holding(piece: Piece, pairs: float) -> int:
+    """The number of the piece's first query rows whose pairs come nearest to ``pairs``."""
+    if pairs <= 0:
+        return 0
+    if piece.kind is PieceKind.CAUSAL:  # rows i < j hold j (j + 1) / 2 pairs
+        return round(((8 * pairs + 1) ** 0.5 - 1) / 2)
+    return round(pairs / (piece.k_end - piece.k_start))
+
+
+def _row_band(piece: Piece, lo: int, hi: int) -> tuple[Piece, ...]:
+    """The piece's query rows ``[lo, hi)`` (relative to its first), as kernel calls."""
+    rows = piece.q_end - piece.q_start
+    if hi <= lo:
+        return ()
+    if (lo, hi) == (0, rows):
+        return (piece,)
+    q0, q1 = piece.q_start + lo, piece.q_start + hi
+    if piece.kind is not PieceKind.CAUSAL:
+        return (Piece(piece.kind, q0, q1, piece.k_start, piece.k_end),)
+    band = (Piece(PieceKind.CAUSAL, q0, q1, piece.k_start + lo, piece.k_start + hi),)
+    return (Piece(PieceKind.FULL, q0, q1, piece.k_start, piece.k_start + lo), *band) if lo \
+        else band
