@@ -52,6 +52,7 @@ step and, per call, the messages sent and skipped against the plain ring.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -372,7 +373,7 @@ def _own_steps(layout: Layout, rank: int, causal: bool, documents: Documents | N
     if fused:
         half = next(i for i, done in enumerate(schedule) if 2 * done >= schedule[-1])
         return tuple((None,) if i == half else () for i in range(len(schedule)))
-    shares = [done - before for before, done in zip((0, *schedule), schedule, strict=False)]
+    shares = [done - before for before, done in itertools.pairwise((0, *schedule))]
     at = [i for i, share in enumerate(shares) if share > 0]
     units = split_pieces(_plan(layout, rank, causal, documents, window).pieces[rank],
                          [shares[i] for i in at])
