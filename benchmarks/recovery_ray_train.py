@@ -284,13 +284,13 @@ def ray_train_torchft_loop(config: dict) -> None:
 
     import ray.train
 
-    from ringray.train.replicas import ReplicaGroup, ReplicaSync
+    from ringray.train.replicas import ReplicaMembership, ReplicaSync
 
     options: TrainOptions = config["options"]
     events: str = config["events_path"]
     rank = ray.train.get_context().get_world_rank()
     collective, quorum = config["timeouts"]
-    group = ReplicaGroup(index=rank, count=options.parallel.dp_replicate,
+    group = ReplicaMembership(index=rank, count=options.parallel.dp_replicate,
                          lighthouse=os.environ["TORCHFT_LIGHTHOUSE"],
                          store=(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])),
                          timeout_seconds=collective, quorum_timeout_seconds=quorum)

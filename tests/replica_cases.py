@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_map
 from train_cases import gradients, snapshot
 
 from ringray.train import Trainer, TrainOptions
-from ringray.train.replicas import ReplicaGroup, ReplicaSync
+from ringray.train.replicas import ReplicaMembership, ReplicaSync
 from ringray.train.sharding import local_tensor
 
 TIMEOUT_SECONDS = 10.0
@@ -111,7 +111,7 @@ class Events:
 
 
 def _sync(port: int, index: int, count: int, lighthouse: str) -> ReplicaSync:
-    return ReplicaSync(ReplicaGroup(
+    return ReplicaSync(ReplicaMembership(
         index=index, count=count, lighthouse=lighthouse, store=("127.0.0.1", port),
         timeout_seconds=TIMEOUT_SECONDS, quorum_timeout_seconds=120.0))
 
@@ -181,3 +181,33 @@ def _die_after_quorum(sync: ReplicaSync, events: Any, index: int, rank: int) -> 
         os._exit(3)
 
     sync.start_step = start_then_die
+
+
+def train_from_checkpoint(port: int, index: int, rank: int, events: Any,
+                          options: TrainOptions, lighthouse: str, restore_step: int | None,
+                          perturb: bool, until: int) -> dict:
+    """Replica ``index`` restores the checkpoint of ``restore_step`` from ``options``'s
+    checkpoint location (None: starts from the seed's weights, as a replacement does),
+    with ``perturb`` adds 1e-3 to one weight and falls behind (as the controller makes a
+    group whose digest differs), then trains to step ``until``. Returns its steps and state."""
+    from ringray.train.checkpoint import CheckpointStore
+
+    sync = _sync(port, index, options.parallel.dp_replicate, lighthouse)
+    trainer = Trainer(options, replicas=sync)
+    if restore_step is not None:
+        store = CheckpointStore(options.checkpoint_location)
+        trainer.load_checkpoint(store, next(ref for ref in store.committed()
+                                            if ref.step == restore_step))
+    if perturb:
+        with torch.no_grad():
+            local_tensor(next(trainer.model.parameters())).view(-1)[0] += 1e-3
+        sync.fall_behind()
+    steps = []
+    while trainer.step_count < until:
+        stats = trainer.step()
+        steps.append({"step": stats.step, "committed": stats.committed, "healed": stats.healed,
+                      "participating": stats.replicas_participating})
+    state = tree_map(lambda v: local_tensor(v).clone() if isinstance(v, torch.Tensor) else v,
+                     trainer.state_dict())
+    sync.shutdown()
+    return {"steps": steps, "state": state}

@@ -130,3 +130,25 @@ def test_the_passkey_event_leads_with_exact_match() -> None:
     assert passkey_summary(report) == (
         "passkey: exact match 0.38 (3/8 prompts; 4096: 0.75, 8192: 0.00), per-digit accuracy "
         "0.525 (chance: exact 1e-05, per digit 0.1)")
+
+
+def test_the_live_line_counts_a_lost_replica_groups_workers_out_until_it_heals() -> None:
+    """Two replica groups of one rank; group 1 lost at step 2. The line read "world 2/2 …
+    replicas 1/2" while only group 0's worker held the job: it now reads "world 1/2" until
+    the replacement heals, and a loss before a restart counts no more once the job has
+    restarted (the restart started every group)."""
+    from dataclasses import replace
+
+    from ringray.cluster.status import ReplicaLoss, Restart
+
+    lost = ReplicaLoss(group=1, reason="node_died", at_step=2)
+    base = replace(_status("running", 3, ()), dp=2, target_dp=1, cp=1, replica_groups=2,
+                   last_stats=replace(_stats(3), replicas_participating=[0]))
+    line = train_cli.format_status_line(replace(base, replica_losses=(lost,)))
+    assert "world 1/2" in line and "replicas 1/2 (lost 1)" in line, line
+    healed = replace(lost, healed_at_step=3, heal_seconds=0.4)
+    assert "world 2/2" in train_cli.format_status_line(replace(base, replica_losses=(healed,)))
+    restart = Restart(reason="node_died", detail="-", detected_at=0.0, failed_at_step=2)
+    line = train_cli.format_status_line(replace(base, replica_losses=(lost,),
+                                                restarts=(restart,)))
+    assert "world 2/2" in line, line

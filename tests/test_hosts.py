@@ -91,6 +91,27 @@ def _finish(process: subprocess.Popen, log: Path, timeout: float = 300) -> str:
     return text
 
 
+def _training_host(candidates: list[Host], *, timeout: float = 20) -> Host:
+    """The host among ``candidates`` whose worker is in a step (Ray titles an actor's
+    process ``ray::<Class>.<method>`` while a call runs): a replica group's, not the
+    standby group's, whose workers wait idle."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for host in candidates:
+            if host.runs("TrainWorker.run_steps"):
+                return host
+        time.sleep(0.05)
+    raise AssertionError(f"no host of {[h.name for h in candidates]} runs a training step")
+
+
+def _left_on_ray(hosts: Hosts) -> dict[str, list[str]]:
+    """The actors alive and placement groups not removed on the hosts' Ray, asked from the
+    head host (tests/ray_leftovers.py)."""
+    return json.loads(hosts[0].check(
+        [str(ROOT / ".venv" / "bin" / "python"), str(ROOT / "tests" / "ray_leftovers.py"),
+         hosts.ray_address], env=hosts.environment()))
+
+
 def _step_lines(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()
             if line.strip()]
@@ -99,13 +120,15 @@ def _step_lines(run_dir: Path) -> list[dict]:
 def test_replica_groups_start_across_hosts_and_a_killed_hosts_group_heals_from_a_peer(
         tmp_path: Path) -> None:
     """Two replica groups (``parallel.dp_replicate: 2``), one on each of two hosts whose
-    names nobody resolves, a spare third host; `ringray train --address` run on the first
-    group's host, whose view of the run directory is node-local. The groups form their
-    torchft quorum across hosts (they did not: torchft advertised host names). The second
-    group's host is killed: the first group's steps go on, the replacement starts on the
-    spare host and heals from the live peer across hosts, no committed step is rolled back,
-    the job never restarts. Every file of the run directory is written by the controller on
-    the head host (job.yaml was written by the driver: the driver's host holds none)."""
+    names nobody resolves, and the standby group on a third (the default keeps one where
+    there is room); `ringray train --address` run on the first group's host, whose view of
+    the run directory is node-local. The groups form their torchft quorum across hosts
+    (they did not: torchft advertised host names). The second group's host is killed: the
+    first group's steps go on, the standby replaces the lost group and heals from the live
+    peer across hosts, no committed step is rolled back, the job never restarts, and at its
+    end no actor or placement group is left on the cluster. Every file of the run directory
+    is written by the controller on the head host (job.yaml was written by the driver: the
+    driver's host holds none)."""
     run_dir = tmp_path / "run"
     with Hosts(4, local_dirs={1: str(run_dir)}) as hosts:  # host 1: the driver's
         hosts.start_ray(slots={1: 1, 2: 1, 3: 1}, log_dir=tmp_path / "ray")
@@ -115,15 +138,17 @@ def test_replica_groups_start_across_hosts_and_a_killed_hosts_group_heals_from_a
         log = tmp_path / "train.log"
         process = _train(hosts, hosts[1], job, log)
         _wait_for_step(run_dir, 6, process, log)
-        doomed = next(h for h in hosts.hosts[2:] if h.runs("ray::TrainWorker"))
+        doomed = _training_host(hosts.hosts[2:])
         killed = time.monotonic()
         doomed.kill()
         done = len(_steps(run_dir))
         next_step = _wait_for_step(run_dir, done + 1, process, log)
         text = _finish(process, log)
         seen_by_driver = hosts[1].check(["ls", "-A", str(run_dir)]).split()
+        left = _left_on_ray(hosts)
 
     events = _events(run_dir)
+    assert left == {"actors": [], "placement_groups": []}, left  # none leaked
     assert _steps(run_dir) == list(range(1, steps + 1)), text  # none rolled back or repeated
     assert "restarts 0" in text and "(lost 1)" in text, text
     lost = [m for m in events if " lost (" in m and m.startswith("replica group ")]
@@ -179,7 +204,7 @@ def test_a_partitioned_replica_host_is_replaced_and_fenced_when_it_comes_back(
         process = _train(hosts, hosts.head, job, log)
         run_dir = tmp_path / "run"
         _wait_for_step(run_dir, 6, process, log)
-        cut_off = next(h for h in hosts.hosts[1:] if h.runs("ray::TrainWorker"))
+        cut_off = _training_host(hosts.hosts[1:])
         cut = time.monotonic()
         cut_off.partition()
         done = len(_steps(run_dir))

@@ -19,20 +19,24 @@ from replica_cases import (
     record_replica_steps,
     start_group,
     stop,
+    train_from_checkpoint,
     train_until_stopped,
 )
 from train_cases import gradients, rank_record_steps, tiny_options
 
 from ringray.data import PackedLoader
 from ringray.train import Trainer
+from ringray.train.checkpoint import CheckpointStore
 from ringray.train.options import ParallelOptions
 from ringray.train.replicas import (
-    ReplicaGroup,
+    ReplicaMembership,
     ReplicaSync,
+    gradient_buckets,
     loader_slot,
     participation_scale,
     replica_rows,
     replica_world_size,
+    sum_in_place,
 )
 
 STEPS = 3
@@ -102,7 +106,7 @@ def test_torchft_missing_is_one_line_before_anything_connects(monkeypatch, tmp_p
         ParallelOptions(dp_replicate=2)
     assert str(caught.value) == ("dp_replicate: 2 replica groups need torchft, which is not "
                                  "installed; pip install torchft, or use 1")
-    group = ReplicaGroup(index=0, count=2, lighthouse="http://nowhere:1",
+    group = ReplicaMembership(index=0, count=2, lighthouse="http://nowhere:1",
                          store=("127.0.0.1", 1))
     with pytest.raises(ValueError) as caught:
         ReplicaSync(group)
@@ -117,7 +121,7 @@ def test_a_trainer_of_replica_groups_without_its_sync_is_refused(tmp_path) -> No
     with pytest.raises(ValueError, match=r"^parallel.dp_replicate: 2 replica groups need a "
                                          r"ReplicaSync per trainer"):
         Trainer(options)
-    sync = ReplicaSync(ReplicaGroup(index=0, count=3, lighthouse="-", store=("-", 0)),
+    sync = ReplicaSync(ReplicaMembership(index=0, count=3, lighthouse="-", store=("-", 0)),
                        make_manager=_solo([]))
     with pytest.raises(ValueError, match=r"^parallel.dp_replicate: 2, but this replica group "
                                          r"was started as one of 3"):
@@ -127,7 +131,7 @@ def test_a_trainer_of_replica_groups_without_its_sync_is_refused(tmp_path) -> No
 def test_a_replica_index_outside_the_groups_is_refused() -> None:
     with pytest.raises(ValueError, match=r"^replica index: 2 is not one of the 2 replica "
                                          r"groups \(0 to 1\)$"):
-        ReplicaGroup(index=2, count=2, lighthouse="-", store=("-", 0))
+        ReplicaMembership(index=2, count=2, lighthouse="-", store=("-", 0))
 
 
 # ----------------------------------------------------------------- the hook, a fake quorum
@@ -142,6 +146,7 @@ class _SoloManager:
 
     def __init__(self, commits: list[bool]) -> None:
         self.commits = list(commits)
+        self.step = 0  # torchft's: set from the trainer's before each quorum
 
     def start_quorum(self) -> None:
         pass
@@ -158,13 +163,19 @@ class _SoloManager:
     def shutdown(self, wait: bool = True) -> None:
         pass
 
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "batches_committed": 0}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        self.step = state_dict["step"]
+
 
 def _solo(commits: list[bool]):
     return lambda group, rank, world, state_dict, load_state_dict: _SoloManager(commits)
 
 
 def _solo_trainer(options, commits: list[bool], index: int = 0) -> Trainer:
-    group = ReplicaGroup(index=index, count=options.parallel.dp_replicate, lighthouse="-",
+    group = ReplicaMembership(index=index, count=options.parallel.dp_replicate, lighthouse="-",
                          store=("-", 0))
     return Trainer(options, replicas=ReplicaSync(group, make_manager=_solo(commits)))
 
@@ -182,6 +193,7 @@ def test_a_replica_alone_trains_on_its_slice_with_the_mean_over_its_own_labels(t
     want = reference.step()
     assert stats.committed and stats.replicas_participating == [0]
     assert stats.samples_dropped == 2 and stats.quorum_size == 1
+    assert stats.tokens == want.tokens == 2 * 64  # what was trained, not the global batch
     tol = {"atol": 1e-6, "rtol": 1e-6}
     torch.testing.assert_close(stats.loss, want.loss, **tol)
     torch.testing.assert_close(stats.grad_norm, want.grad_norm, **tol)
@@ -238,7 +250,7 @@ def test_a_replica_groups_manager_starts_when_its_trainer_is_built(tmp_path) -> 
         made.append((group.index, rank, world))
         return _SoloManager([True])
 
-    group = ReplicaGroup(index=1, count=2, lighthouse="-", store=("-", 0))
+    group = ReplicaMembership(index=1, count=2, lighthouse="-", store=("-", 0))
     trainer = Trainer(options, replicas=ReplicaSync(group, make_manager=factory))
     assert made == [(1, 0, 1)]
     assert trainer.step().committed
@@ -469,3 +481,85 @@ def test_torchft_advertises_the_address_of_the_route_to_the_lighthouse_not_the_h
         assert transport.metadata() == transport.address()  # what a healing peer is told
     finally:
         transport.shutdown(wait=False)
+
+
+# ----------------------------------------------------------------- torchft's step
+@pytest.mark.parametrize(("behind", "perturb"), [(None, False), (2, False), (4, True)],
+                         ids=["fresh-replacement", "older-checkpoint", "same-step-other-state"])
+def test_groups_that_would_average_different_weights_heal_first(tmp_path, behind: int | None,
+                                                                 perturb: bool) -> None:
+    """Group 0 restores step 4; group 1 starts from the seed's weights (a replacement joining
+    the first quorum after a restart), restores step 2 (its own fallback), or restores step 4
+    and holds another state (a digest that differed: the controller makes it fall behind).
+    torchft heals a group only when its manager's step is behind, and every manager counts
+    from 0 at start: before the managers' step was set from the trainers', none of these
+    healed and the groups averaged gradients of different weights every step. Now group 1
+    heals from group 0 at its first step, trains steps 5 and 6 with it, and both end bit for
+    bit the same (weights, AdamW state, loader, RNG, step)."""
+    options = tiny_options(str(tmp_path), parallel={"dp": 1, "dp_replicate": 2},
+                           train={"global_batch": 4}, checkpoint={"keep": 3})
+    saver = _solo_trainer(options, [True] * 4)
+    store = CheckpointStore(options.checkpoint_location)
+    for step in range(1, 5):
+        saver.step()
+        if step % 2 == 0:
+            saver.save_checkpoint(store)
+    lighthouse = _lighthouse(min_replicas=2, join_timeout_ms=100)
+    ctx = mp.get_context("spawn")
+    events = Events(ctx.Queue())
+    groups = [start_group(ctx, index, 1, events.queue, train_from_checkpoint, options,
+                          lighthouse.address(), restore, perturb and index == 1, 6)
+              for index, restore in ((0, 4), (1, behind))]
+    try:
+        events.wait(lambda e: len(e.done) == 2, timeout_seconds=120, what="both groups")
+    finally:
+        for procs in groups:
+            stop(procs)
+        lighthouse.shutdown()
+    ahead, healing = events.done[(0, 0)], events.done[(1, 0)]
+    want = [{"step": s, "committed": True, "healed": False, "participating": [0, 1]}
+            for s in (5, 6)]
+    assert ahead["steps"] == want
+    assert healing["steps"] == [{**want[0], "healed": True}, want[1]]
+    _assert_same_state(healing["state"], ahead["state"])
+
+
+# ----------------------------------------------------------------- the in-place sum
+def test_gradient_buckets_keep_order_and_size_and_give_a_large_gradient_its_own() -> None:
+    assert gradient_buckets([4, 4, 4, 4], limit=8) == [[0, 1], [2, 3]]
+    assert gradient_buckets([4, 20, 4, 5, 3], limit=8) == [[0], [1], [2], [3, 4]]
+    assert gradient_buckets([8, 1], limit=8) == [[0], [1]]
+    assert gradient_buckets([], limit=8) == []
+
+
+class _Doubling:
+    """A quorum of two groups holding the same gradients: a sum doubles each tensor (in
+    place, as a process group does); records what it was handed."""
+
+    def __init__(self) -> None:
+        self.handed: list[torch.Tensor] = []
+
+    def allreduce(self, tensor: torch.Tensor, *, reduce_op: object) -> _Done:
+        self.handed.append(tensor)
+        tensor.mul_(2)
+        return _Done()
+
+
+@pytest.mark.parametrize("limit", [1, 40, 64, 2**20])
+def test_the_sum_lands_in_every_gradient_in_place_whatever_the_buckets(limit: int) -> None:
+    """Gradients of 3, 10 (non-contiguous: a transposed view), 1 and 16 float32 elements:
+    whatever the bucket size, each gradient ends up holding the sum (here twice itself),
+    the same tensor objects are updated, and a contiguous gradient of a bucket of its own is
+    summed where it is, with no buffer."""
+    grads = [torch.arange(3.0), torch.arange(10.0).reshape(2, 5).t(), torch.tensor([7.0]),
+             torch.arange(16.0).reshape(4, 4)]
+    want = [2 * g.clone() for g in grads]
+    manager = _Doubling()
+    sum_in_place(manager, grads, limit=limit)
+    for got, expected in zip(grads, want, strict=True):
+        assert torch.equal(got, expected)
+    if limit == 1:  # every gradient its own bucket: only the transposed one needs a buffer
+        assert [h.data_ptr() for h in manager.handed if h.numel() != 10] == [
+            grads[i].data_ptr() for i in (0, 2, 3)]
+    if limit == 2**20:
+        assert len(manager.handed) == 1 and manager.handed[0].numel() == 30

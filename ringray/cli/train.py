@@ -235,7 +235,7 @@ def _follow_on_ray(spec: JobSpec, job: JobOptions, *, address: str | None) -> No
         start_controller,
     )
 
-    world = job.dp_max * job.cp
+    world = job.workers_wanted  # every replica group's workers and the standby's
     try:
         with err.status("starting Ray..." if address is None else f"connecting to {address}..."):
             embedded = connect(address, local_cpus=max(world, os.cpu_count() or 1))
@@ -388,12 +388,23 @@ class _TrainView:
                              line=self.line)
 
 
+def replicas_not_healed(status) -> int:
+    """Replica groups lost and not healed since: their replacement is still starting or
+    healing (a loss before the job's last restart was made good by the restart)."""
+    restarted_at = status.restarts[-1].failed_at_step if status.restarts else -1
+    return sum(1 for loss in status.replica_losses
+               if loss.healed_at_step is None and loss.at_step > restarted_at)
+
+
 def format_status_line(status) -> str:
     """step, loss, tokens/s, overlap, peer wait, imbalance, world size, restarts: the live
     line."""
     stats = status.last_stats
     groups = status.replica_groups
-    world = f"world {status.world_size}/{groups * status.target_dp * status.cp}"
+    live = status.world_size
+    if groups > 1:  # a lost group's workers are not the job's until its replacement heals
+        live -= replicas_not_healed(status) * (status.world_size // groups)
+    world = f"world {live}/{groups * status.target_dp * status.cp}"
     restarts = f"restarts {len(status.restarts)}"
     if groups > 1:  # replica groups in the last step's quorum, and groups lost so far
         taking = len(stats.replicas_participating) if stats is not None else 0

@@ -71,11 +71,14 @@ class ClusterOptions:
     dead one costs nothing: its connections close). It must cover how much later one group
     reaches the average than another (their steps start together). A heal's transfer has
     the longer step timeout."""
-    replica_standby: bool = False
+    replica_standby: bool | None = None
     """With parallel.dp_replicate > 1: keep one replica group's workers started ahead on free
     slots apart from the live groups (processes up, devices set, no process group), so that a
     lost group's replacement only joins, builds and heals instead of starting processes. The
-    standby holds its slots while it waits."""
+    standby holds its slots while it waits. Unset (the default): a standby whenever the live
+    nodes have the free slots for one, and one line saying so when they have not; false:
+    never (a lost group's replacement starts its processes when it is needed); true: as
+    unset, and refused without replica groups."""
 
     def __post_init__(self) -> None:
         resources = self.worker_resources
@@ -114,7 +117,14 @@ class ClusterOptions:
 
 def check_elastic_floor(cluster: ClusterOptions, train: TrainOptions) -> None:
     """``cluster.dp_min`` must be a size the job can run at: at most ``parallel.dp``, and a
-    divisor of the global batch. Raises ``ValueError`` naming the field."""
+    divisor of the global batch; ``cluster.replica_standby: true`` needs replica groups.
+    Raises ``ValueError`` naming the field."""
+    replicas = train.parallel.dp_replicate
+    if cluster.replica_standby and replicas < 2:
+        raise ValueError(
+            f"cluster.replica_standby: true keeps a replica group's workers ready to replace a "
+            f"lost group, but parallel.dp_replicate is {replicas} (no replica groups); set "
+            f"parallel.dp_replicate >= 2 or leave replica_standby unset")
     dp_min, dp = cluster.dp_min, train.parallel.dp
     if dp_min is None or dp is None:
         return
@@ -123,7 +133,6 @@ def check_elastic_floor(cluster: ClusterOptions, train: TrainOptions) -> None:
             f"cluster.dp_min: {dp_min} is larger than parallel.dp={dp} (the size the job asks "
             f"for); use a value from 1 to {dp}"
         )
-    replicas = train.parallel.dp_replicate
     if replicas > 1 and dp_min != dp:
         raise ValueError(
             f"cluster.dp_min: {dp_min} with parallel.dp_replicate: {replicas}; replica groups "
@@ -180,6 +189,18 @@ class JobOptions:
     def dp_max(self) -> int:
         """The data-parallel size the job asks for."""
         return self.train.parallel.dp
+
+    @property
+    def standby_workers(self) -> int:
+        """Workers of the standby replica group (``cluster.replica_standby``), 0 without."""
+        wanted = self.replicas > 1 and self.cluster.replica_standby is not False
+        return self.dp_max * self.cp if wanted else 0
+
+    @property
+    def workers_wanted(self) -> int:
+        """Workers of the job at its full size: every replica group's dp × cp, and the
+        standby group's (an embedded Ray is sized for this many)."""
+        return self.replicas * self.dp_max * self.cp + self.standby_workers
 
     @property
     def dp_min(self) -> int:

@@ -63,19 +63,21 @@ from ringray.cluster.placement import (
 )
 from ringray.cluster.policy import Drain, Failure, FailureKind
 from ringray.cluster.record import JobRecord
-from ringray.cluster.worker_group import RayWorkerGroup
+from ringray.cluster.worker_group import CLOSE_SECONDS, RayWorkerGroup
 from ringray.data import PasskeyReport
 from ringray.train import StepStats, TrainOptions
 from ringray.train.checkpoint import RunPlan
-from ringray.train.replicas import ReplicaGroup
+from ringray.train.replicas import ReplicaMembership
 from ringray.train.session import Restored, Saved
 
 UNCOMMITTED_ATTEMPTS = 5
+"""Steps in a row that no replica group commits before the job is treated as failed."""
 SETTLE_SECONDS = 2.0
 """How long a round (and a checkpoint) waits for a call sent late to return with the others."""
 REPLACE_RETRY_SECONDS = 5.0
 """A replacement that could not start (no room, a failed start) is tried again this much later."""
-"""Steps in a row that no replica group commits before the job is treated as failed."""
+TEARDOWN_WAIT_SECONDS = 30.0
+"""How long a teardown waits for the replacements and the standby still starting."""
 
 
 class Lighthouse:
@@ -155,6 +157,16 @@ def replacement_plan(nodes: list[NodeSnapshot], used: dict[str, int], *, cp: int
     return plan, warning
 
 
+def _with_heals(stats: StepStats, same_step: list[StepStats]) -> StepStats:
+    """The step the job records (one group's statistics: every participant holds the same
+    sums), marked healed when any group that committed it healed at its start (a joining
+    group is not the one whose statistics are kept, so its heal was never reported)."""
+    heals = [s.heal_seconds for s in same_step if s.healed]
+    if not heals or stats.healed:
+        return stats
+    return replace(stats, healed=True, heal_seconds=max(heals))
+
+
 class _GroupRecord:
     """What one replica group's worker group records: its events, marked with the group, and
     its workers, merged with the other groups' into the job's list. A standby's (``index``
@@ -227,8 +239,17 @@ class ReplicatedWorkerGroup:
     def plan(self, dp_choices: tuple[int, ...], *, avoid: frozenset[str]) -> PlacementPlan:
         """``dp_replicate`` × dp rings in one plan (dp: the largest of ``dp_choices`` that
         fits), so that rings spread over the failure domains together."""
-        plan = RayWorkerGroup(self.job, self.record, should_stop=self.should_stop).plan(
-            tuple(dp * self.count for dp in dp_choices), avoid=avoid)
+        try:
+            plan = RayWorkerGroup(self.job, self.record, should_stop=self.should_stop).plan(
+                tuple(dp * self.count for dp in dp_choices), avoid=avoid)
+        except PlacementError as exc:
+            dp, cp = min(dp_choices), self.job.cp
+            total = sum(node.slots for node in schedulable_nodes(
+                worker_resources=self.job.worker_resources, avoid=set(avoid)))
+            raise PlacementError(
+                f"placement: parallel.dp_replicate {self.count} replica groups × dp {dp} × cp "
+                f"{cp} = {self.count * dp * cp} worker slots needed on live nodes; they have "
+                f"{total} ({exc})") from None
         domain = self.cluster.failure_domain
         if domain:
             labels = {n.node_id: n.labels.get(domain) for n in schedulable_nodes(
@@ -287,9 +308,9 @@ class ReplicatedWorkerGroup:
     def run_plan(self, *, lineage: str | None) -> RunPlan:
         return self.members[0].run_plan(lineage=lineage)
 
-    def _replica(self, index: int, group: RayWorkerGroup) -> ReplicaGroup:
+    def _replica(self, index: int, group: RayWorkerGroup) -> ReplicaMembership:
         timeout = max(1.0, self.cluster.step_timeout_seconds / 2)
-        return ReplicaGroup(index=index, count=self.count, lighthouse=self.lighthouse_address,
+        return ReplicaMembership(index=index, count=self.count, lighthouse=self.lighthouse_address,
                             store=group.address, timeout_seconds=timeout,
                             collective_timeout_seconds=self.cluster
                             .replica_collective_timeout_seconds,
@@ -333,27 +354,26 @@ class ReplicatedWorkerGroup:
         """A new group ``index`` on the live nodes, built with no checkpoint: it heals from
         a live peer at its first step. A teardown meanwhile kills it where it is."""
         started = time.monotonic()
-        generation = self._generation
-        group = self._join_standby(index)
+        with self._lock:
+            generation = self._generation
+        group = self._join_standby(index, generation)
         ahead = group is not None
         if group is None:
             group = self._group(index)
-        with self._lock:
-            self._starting[index] = group
+            self._register_start(index, group, generation)
         try:
             if not ahead:
                 group.start(self._plan_replacement(index))
             group.build(self.options, RunPlan(lineage=self.run.lineage, restore=()),
                         replica=self._replica(index, group))
         except BaseException:
-            if generation == self._generation:  # else the teardown has killed it already
-                group.teardown()
+            group.teardown()  # (again, if a teardown found it starting: that is harmless)
             raise
         finally:
             with self._lock:
                 self._starting.pop(index, None)
-        if generation != self._generation:
-            group.teardown()  # (again, if the teardown found it starting: that is harmless)
+        if self._generation != generation:
+            group.teardown()
             raise JobError(f"replica group {index}'s replacement came up after a teardown")
         how = " by the standby group" if ahead else ""
         self.record.event(f"replica group {index} replaced{how} in "
@@ -363,43 +383,67 @@ class ReplicatedWorkerGroup:
 
     # ----------------------------------------------------------------- the standby
     def _prepare_standby(self) -> None:
-        """With ``cluster.replica_standby``: start one group's workers ahead (in the
+        """Unless ``cluster.replica_standby`` is false: start one group's workers ahead (in the
         background), on free slots apart from the live groups, up to the point of joining a
         process group, so that a replacement only joins, builds and heals."""
-        if self.cluster.replica_standby and self._standby is None and self.options is not None:
+        wanted = self.cluster.replica_standby is not False  # unset: whenever there is room
+        if wanted and self._standby is None and self.options is not None:
             self._standby = self._pool.submit(self._start_standby, self._generation)
+
+    def _register_start(self, key: int, group: RayWorkerGroup, generation: int) -> None:
+        """Mark ``group`` as starting (a teardown kills it where it is), unless a teardown
+        came since ``generation``: then it is never started."""
+        with self._lock:
+            if self._generation != generation:
+                raise JobError("the replica groups were torn down before this start")
+            self._starting[key] = group
 
     def _start_standby(self, generation: int) -> RayWorkerGroup | None:
         group = self._group(None)
-        with self._lock:
-            self._starting[-1] = group  # a teardown meanwhile kills it
+        self._register_start(-1, group, generation)
         try:
             group.prepare(self._plan_replacement(None))
-        except PlacementError as exc:
-            self.record.event(f"no standby group: {exc}")
+        except PlacementError:
+            group.teardown()
+            self.record.event(self._no_room_for_standby())
             return None
         except BaseException:
-            if generation == self._generation:
-                group.teardown()
+            group.teardown()  # (again, if a teardown found it starting: that is harmless)
             raise
         finally:
             with self._lock:
                 self._starting.pop(-1, None)
-        if generation != self._generation:
+        if self._generation != generation:  # abandoned: a teardown came while it started
+            group.teardown()
             return None
         nodes = ", ".join(sorted(group.plan_.slots_by_node()))
         self.record.event(f"a standby group is up on {nodes}, ready to replace a lost group")
         return group
 
-    def _join_standby(self, index: int) -> RayWorkerGroup | None:
+    def _no_room_for_standby(self) -> str:
+        """Why there is no standby group, with the arithmetic of the slots."""
+        need = self.options.parallel.dp * self.job.cp
+        live = len(self.members)
+        total = sum(node.slots for node in schedulable_nodes(
+            worker_resources=self.job.worker_resources, avoid=set()))
+        return (f"no standby group: it needs {need} free worker slots (dp "
+                f"{self.options.parallel.dp} × cp {self.job.cp}); the live nodes have {total}, "
+                f"and the {live} live replica group(s) hold {live * need}, so a lost group's "
+                f"replacement will start its processes when it is needed (add a node with "
+                f"{need} slots, or set cluster.replica_standby: false to say none is wanted)")
+
+    def _join_standby(self, index: int, generation: int) -> RayWorkerGroup | None:
         """The standby as group ``index``, its process group formed; None (and the standby
         torn down) if there is none, or it did not come up, or it cannot join. The next
         standby is started once the replacement is adopted (:meth:`_adopt`)."""
         group = self._take_standby(index)
         if group is None:
             return None
-        with self._lock:
-            self._starting[index] = group  # a teardown meanwhile kills it
+        try:
+            self._register_start(index, group, generation)
+        except JobError:
+            group.teardown()
+            raise
         try:
             group.record.become(index)
             group.join_group()
@@ -529,7 +573,7 @@ class ReplicatedWorkerGroup:
             if committed:
                 stats = max(committed, key=lambda c: (c[1].step, -c[0]))[1]
                 self.job_step = stats.step
-                return stats
+                return _with_heals(stats, [s for _, s in committed if s.step == stats.step])
         raise WorkerGroupFailure(self._failure or Failure(
             kind=FailureKind.HANG, detail=f"no replica group committed a step in "
                                           f"{UNCOMMITTED_ATTEMPTS} attempts"))
@@ -601,32 +645,48 @@ class ReplicatedWorkerGroup:
 
     def checkpoint(self) -> Saved:
         """One group saves; then every group at the current step compares its state with
-        it, rank for rank (weights, optimizer state, loader, RNG, step): a difference is
-        recorded as a warning naming the groups, never ignored."""
+        it, rank for rank (weights, optimizer state, loader, RNG, step). A group that holds
+        another state heals from a live peer at the next step (:meth:`_compare_states`)."""
         self._settle(set(self.inflight))  # a group's call still returning this step
         saved = self._one_group(lambda group: group.checkpoint())
-        current = self._current()
-        if len(current) > 1:
-            digests = {index: group.state_digests() for index, group in current}
-            first = next(iter(digests.values()))
-            differ = [index for index, d in digests.items() if d != first]
-            names = ", ".join(str(index) for index in digests)
-            if differ:
-                self.record.event(f"warning: replica groups {names} differ at step "
-                                  f"{saved.checkpoint.step}: group(s) "
-                                  f"{', '.join(map(str, differ))} hold another state than "
-                                  f"group {next(iter(digests))}")
-            else:
-                self.record.event(f"replica groups {names} hold identical state at step "
-                                  f"{saved.checkpoint.step} (digest {first[0][:12]})")
+        self._compare_states(saved.checkpoint.step)
         return saved
+
+    def _compare_states(self, step: int) -> None:
+        """The current groups' state digests against the first one's (the group that saved).
+        A group that differs falls behind (:meth:`ReplicaSync.fall_behind
+        <ringray.train.replicas.ReplicaSync.fall_behind>`): at the next step torchft heals it
+        from a live peer, so gradients of different weights are never averaged again. A group
+        that fails meanwhile is lost alone, as in a step."""
+        digests: dict[int, list[str]] = {}
+        for index, group in self._current():
+            try:
+                digests[index] = group.state_digests()
+            except WorkerGroupFailure as exc:
+                if len(self.members) == 1:
+                    raise
+                self._lose(index, exc.failure)
+        if len(digests) < 2:
+            return
+        first, *others = digests
+        names = ", ".join(map(str, digests))
+        differ = [index for index in others if digests[index] != digests[first]]
+        if not differ:
+            self.record.event(f"replica groups {names} hold identical state at step {step} "
+                              f"(digest {digests[first][0][:12]})")
+            return
+        self.record.event(f"warning: replica groups {names} differ at step {step}: group(s) "
+                          f"{', '.join(map(str, differ))} hold another state than group "
+                          f"{first}, which saved it; they heal from a live peer at the next "
+                          f"step")
+        for index in differ:
+            try:
+                self.members[index].fall_behind()
+            except WorkerGroupFailure as exc:
+                self._lose(index, exc.failure)
 
     def evaluate(self) -> PasskeyReport | None:
         return self._one_group(lambda group: group.evaluate())
-
-    def state_digests(self) -> dict[int, list[str]]:
-        """Each live group's ranks' state digests (equal between groups in step)."""
-        return {index: group.state_digests() for index, group in sorted(self.members.items())}
 
     def poll(self) -> None:
         self._adopt()
@@ -647,26 +707,37 @@ class ReplicatedWorkerGroup:
 
     # ----------------------------------------------------------------- teardown
     def teardown(self) -> None:
-        """Every group, the replacements starting, and the workers' list; the Lighthouse
-        stays for the job's next start (:meth:`close` ends it)."""
-        self._generation += 1
+        """Every group, the starts in flight and the standby, and the workers' list; the
+        Lighthouse stays for the job's next start (:meth:`close` ends it).
+
+        The live groups' workers are first asked to shut their torchft managers down (at
+        most :data:`~ringray.cluster.worker_group.CLOSE_SECONDS`). A start in flight has its
+        group torn down where it is and is then waited for, at most
+        :data:`TEARDOWN_WAIT_SECONDS`, so that whatever it made meanwhile goes too (its
+        thread tears its group down again on its way out); one still running after that is
+        recorded, never left silently."""
         with self._lock:
+            self._generation += 1
             starting, self._starting = self._starting, {}
-        for group in starting.values():  # their start fails, and their thread gives up
+        starts = [*self.pending.values(), *([self._standby] if self._standby else [])]
+        closing = [ref for group in self.members.values() for ref in group.ask_to_close()]
+        if closing:
+            ray.wait(closing, num_returns=len(closing), timeout=CLOSE_SECONDS)
+        for group in [*starting.values(), *self.members.values()]:
             group.teardown()
-        for future in self.pending.values():
-            if future.done() and future.exception() is None:
+        _, running = wait(starts, timeout=TEARDOWN_WAIT_SECONDS) if starts else ((), ())
+        for future in starts:
+            if future.done() and future.exception() is None and future.result() is not None:
                 future.result().teardown()
-        self.pending.clear()
-        self._retry_at.clear()
-        for group in self.members.values():
-            group.teardown()
-        standby = self._standby_up()
-        self._standby = None
-        if standby is not None:
-            standby.teardown()  # one still starting is in _starting, torn down above
+        if running:
+            self.record.event(f"warning: {len(running)} replica group start(s) still running "
+                              f"{TEARDOWN_WAIT_SECONDS:.0f} s after the teardown; their groups "
+                              f"are torn down when they return")
         for call in self.inflight.values():
             call.cancel()
+        self.pending.clear()
+        self._retry_at.clear()
+        self._standby = None
         self.members, self.stepped, self.inflight, self.joining = {}, {}, {}, set()
         with self._lock:
             self._healths.clear()

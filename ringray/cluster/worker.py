@@ -53,7 +53,7 @@ from ringray.train.memory_check import (
     check_worker_memory,
     host_memory,
 )
-from ringray.train.replicas import ReplicaGroup, ReplicaSync
+from ringray.train.replicas import ReplicaMembership, ReplicaSync
 from ringray.train.session import Restored, Saved, TrainingSession, plan_session
 
 
@@ -135,7 +135,7 @@ class TrainWorker:
         return plan_session(options, lineage=lineage)
 
     def build(self, options: TrainOptions, run: RunPlan, *,
-              replica: ReplicaGroup | None = None) -> Restored:
+              replica: ReplicaMembership | None = None) -> Restored:
         """Open this rank's training session (collective) and restore the newest usable
         checkpoint of ``run``, falling back past corrupt ones (each refusal one line).
         ``replica``: this rank's replica group (``parallel.dp_replicate``), whose rank of
@@ -195,6 +195,18 @@ class TrainWorker:
         session = self._opened()
         with self._busy():
             return session.state_digest()
+
+    def fall_behind(self) -> None:
+        """This rank's replica group heals from a live peer at its next step."""
+        session = self._opened()
+        with self._busy():
+            session.fall_behind()
+
+    def close(self) -> None:
+        """End the session's servers (a replica group's torchft manager) before the actor is
+        killed; nothing when no session was opened."""
+        if self.session is not None:
+            self.session.close()
 
     def run_steps(self, count: int) -> list[StepStats]:
         """Run ``count`` optimizer steps (every rank in step) and return their statistics."""

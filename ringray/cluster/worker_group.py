@@ -43,12 +43,14 @@ from ringray.cluster.worker import TrainWorker
 from ringray.data import PasskeyReport
 from ringray.train import StepStats, TrainOptions
 from ringray.train.checkpoint import RunPlan
-from ringray.train.replicas import ReplicaGroup
+from ringray.train.replicas import ReplicaMembership
 from ringray.train.session import Restored, Saved
 
 # The ranks' collectives time out well after the controller's step timeout, so a hang is
 # seen (and reported) by the controller, not as a survivor's collective error.
 COLLECTIVE_TIMEOUT_FACTOR = 2
+# A teardown gives the workers this long to shut their servers down before it kills them.
+CLOSE_SECONDS = 2.0
 # The passkey evaluation runs this many cells per step timeout.
 _EVAL_CELLS_PER_TIMEOUT = 8
 
@@ -194,7 +196,7 @@ class RayWorkerGroup:
             self.job.train, lineage=lineage)])[0]
 
     def build(self, options: TrainOptions, run: RunPlan, *,
-              replica: ReplicaGroup | None = None) -> Restored:
+              replica: ReplicaMembership | None = None) -> Restored:
         """Every worker opens its training session; ``replica``: this group's place among
         the job's replica groups (:mod:`ringray.cluster.replica_groups`)."""
         return self._startup_call([w.build.remote(options, run, replica=replica)
@@ -203,6 +205,16 @@ class RayWorkerGroup:
     def state_digests(self) -> list[str]:
         """Each rank's digest of its training state (weights, optimizer, loader, step)."""
         return self._startup_call([w.state_digest.remote() for w in self.workers])
+
+    def fall_behind(self) -> None:
+        """Every rank heals from its peer in a live replica group at the next step."""
+        self._startup_call([w.fall_behind.remote() for w in self.workers])
+
+    def ask_to_close(self) -> list:
+        """Ask every worker to end its servers (a replica group's torchft managers) before
+        :meth:`teardown` kills it; the calls' refs, for the caller to wait on with a bound (a
+        dead worker's fails at once, a hung one's may never answer)."""
+        return [w.close.remote() for w in self.workers]
 
     def _startup_call(self, refs: list) -> list:
         try:

@@ -3,9 +3,9 @@ gradients through torchft, so that one replica group's death stops no other and 
 no committed step.
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1)   # one per job (torchft)
-    group = ReplicaGroup(index=r, count=R, lighthouse=lighthouse.address(),
-                         store=(master_addr, master_port))        # replica r's own store
-    trainer = Trainer(options, replicas=ReplicaSync(group))       # every rank of replica r
+    member = ReplicaMembership(index=r, count=R, lighthouse=lighthouse.address(),
+                               store=(master_addr, master_port))  # replica r's own store
+    trainer = Trainer(options, replicas=ReplicaSync(member))      # every rank of replica r
     while trainer.step_count < options.train.steps:
         stats = trainer.step()    # stats.committed, .replicas_participating, .healed
     trainer.replicas.shutdown()
@@ -77,7 +77,7 @@ from ringray.train.sharding import local_tensor
 from ringray.train.step_stats import StepStats
 
 
-class Trainer(Protocol):
+class TrainerView(Protocol):
     """What a replica group's link uses of :class:`ringray.train.trainer.Trainer` (a protocol,
     so this module, which the trainer imports, does not import it back)."""
 
@@ -99,7 +99,7 @@ digits as the group's number)."""
 
 # ----------------------------------------------------------------- plain data
 @dataclass(frozen=True, kw_only=True)
-class ReplicaGroup:
+class ReplicaMembership:
     """Which replica group this process belongs to and how it reaches the others."""
 
     index: int
@@ -213,9 +213,11 @@ class ReplicaManager(Protocol):
     def should_commit(self) -> bool: ...
     def num_participants(self) -> int: ...
     def shutdown(self, wait: bool = True) -> None: ...
+    def state_dict(self) -> dict[str, int]: ...  # {"step", "batches_committed"}
+    def load_state_dict(self, state_dict: dict[str, int]) -> None: ...
 
 
-ManagerFactory = Callable[[ReplicaGroup, int, int, Callable[[], dict],
+ManagerFactory = Callable[[ReplicaMembership, int, int, Callable[[], dict],
                            Callable[[dict], None]], ReplicaManager]
 """``(group, rank, world_size, state_dict, load_state_dict) -> manager``."""
 
@@ -262,7 +264,7 @@ def _advertising_transport(torchft: Any, host: str, timeout: timedelta) -> Any:
     return AdvertisedHTTPTransport(timeout=timeout, num_chunks=0)
 
 
-def torchft_manager(group: ReplicaGroup, rank: int, world_size: int,
+def torchft_manager(group: ReplicaMembership, rank: int, world_size: int,
                     state_dict: Callable[[], dict],
                     load_state_dict: Callable[[dict], None]) -> ReplicaManager:
     """A torchft ``Manager`` for ``rank`` of ``group``: gloo across replicas on CPU, NCCL on
@@ -290,23 +292,93 @@ def torchft_manager(group: ReplicaGroup, rank: int, world_size: int,
     )
 
 
+AVERAGE_BUCKET_BYTES = 25 * 2**20
+"""The cross-replica sum packs gradients smaller than this into buffers of at most this many
+bytes, and sums a gradient this large or larger where it is; at most two buffers are in
+flight. (It used to copy every gradient into one flat buffer first: one more gradient set
+per rank, 32 GB for an 8B model in float32.)"""
+
+
+def gradient_buckets(sizes: list[int], limit: int = AVERAGE_BUCKET_BYTES) -> list[list[int]]:
+    """Consecutive indices of gradients of ``sizes`` bytes, in buckets of at most ``limit``
+    bytes; a gradient of ``limit`` bytes or more is a bucket of its own."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    held = 0
+    for index, size in enumerate(sizes):
+        if current and (size >= limit or held + size > limit):
+            buckets.append(current)
+            current, held = [], 0
+        current.append(index)
+        held += size
+        if size >= limit:
+            buckets.append(current)
+            current, held = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def sum_in_place(manager: ReplicaManager, grads: list[torch.Tensor], *,
+                 limit: int = AVERAGE_BUCKET_BYTES) -> None:
+    """Sum ``grads`` with the same rank of the other replica groups, in place: a bucket of
+    one contiguous gradient is summed where it is, the others through a buffer of at most
+    ``limit`` bytes, and a bucket's sum is copied back while the next one's is in flight."""
+    in_flight: list[tuple[Any, torch.Tensor | None, list[int]]] = []
+
+    def land(work: Any, buffer: torch.Tensor | None, indices: list[int]) -> None:
+        work.wait()
+        if buffer is None:
+            return
+        offset = 0
+        for index in indices:
+            grad = grads[index]
+            grad.copy_(buffer[offset:offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+    sizes = [grad.numel() * grad.element_size() for grad in grads]
+    for indices in gradient_buckets(sizes, limit):
+        alone = len(indices) == 1 and grads[indices[0]].is_contiguous()
+        buffer = None if alone else torch.cat([grads[i].reshape(-1) for i in indices])
+        target = grads[indices[0]] if alone else buffer
+        in_flight.append((manager.allreduce(target, reduce_op=ReduceOp.SUM), buffer, indices))
+        if len(in_flight) > 1:
+            land(*in_flight.pop(0))
+    for item in in_flight:
+        land(*item)
+
+
+def _set_manager_step(manager: ReplicaManager, step: int) -> None:
+    """Make torchft's step ``step``. torchft heals a group whose manager's step is behind the
+    quorum's and compares nothing else, while its manager counts from 0 at every start: a
+    group that restored step N (or a fresh replacement, at 0, joining groups that restored N)
+    would otherwise be at 0 like every other, never healed, and gradients of different weights
+    averaged every step. The trainer's step is the truth; torchft's is set from it before
+    every quorum (equal anyway after a committed step or a heal, which set both)."""
+    state = manager.state_dict()
+    if state["step"] != step:
+        manager.load_state_dict({**state, "step": step})
+
+
 # ----------------------------------------------------------------- the trainer's hook
 class ReplicaSync:
-    """One rank's link to the other replica groups; the :class:`Trainer` calls it at the
-    start of each step (:meth:`start_step`) and after its own gradient reduction
-    (:meth:`sync_gradients`). ``make_manager`` replaces torchft's ``Manager`` (tests)."""
+    """One rank's link to the other replica groups; the trainer
+    (:class:`ringray.train.trainer.Trainer`) calls it at the start of each step
+    (:meth:`start_step`) and after its own gradient reduction (:meth:`sync_gradients`).
+    ``make_manager`` replaces torchft's ``Manager`` (tests)."""
 
-    def __init__(self, group: ReplicaGroup, *,
+    def __init__(self, group: ReplicaMembership, *,
                  make_manager: ManagerFactory | None = None) -> None:
         if make_manager is None:
             require_torchft()  # before anything connects
         self.group = group
         self._make_manager = make_manager or torchft_manager
         self._manager: ReplicaManager | None = None
-        self._trainer: Trainer | None = None
+        self._trainer: TrainerView | None = None
         self._rng: dict[str, torch.Tensor] = {}
         self._quorum_seconds = 0.0
         self._healed = False
+        self._behind = False
         self.last: ReplicaStep | None = None
         """What the replicas did in the last step."""
 
@@ -315,7 +387,7 @@ class ReplicaSync:
         """``(dp_rank, dp_size)`` this rank's loader reads as (:func:`loader_slot`)."""
         return loader_slot(self.group.index, self.group.count, dp_rank, dp)
 
-    def attach(self, trainer: Trainer) -> None:
+    def attach(self, trainer: TrainerView) -> None:
         """Create this rank's torchft ``Manager`` now (the trainer calls it when built), so
         that the group heartbeats at the Lighthouse before any group asks for its first
         quorum. Without it, a group whose build finished first could ask while another
@@ -326,7 +398,7 @@ class ReplicaSync:
         timeout; later quorums form at once from the previous quorum's members."""
         self._manager_for(trainer)
 
-    def _manager_for(self, trainer: Trainer) -> ReplicaManager:
+    def _manager_for(self, trainer: TrainerView) -> ReplicaManager:
         if self._manager is None:
             self._trainer = trainer
             self._manager = self._make_manager(
@@ -335,17 +407,27 @@ class ReplicaSync:
         return self._manager
 
     # ------------------------------------------------------------- a step
-    def start_step(self, trainer: Trainer) -> None:
+    def start_step(self, trainer: TrainerView) -> None:
         """Join this step's quorum; a group behind it loads a live peer's state here (before
         the step's forward, so it trains the same step as its peers)."""
         manager = self._manager_for(trainer)
         self._healed = False
+        behind, self._behind = self._behind, False
+        _set_manager_step(manager, 0 if behind else trainer.step_count)
         start = time.perf_counter()
         manager.start_quorum()
         self._quorum_seconds = time.perf_counter() - start
         self._rng = _rng_state(trainer.device)
 
-    def sync_gradients(self, trainer: Trainer, loss_sum: torch.Tensor,
+    def fall_behind(self) -> None:
+        """Heal from a live peer at the next step's start, whatever step this group is at:
+        its state was found to differ from the others' at the same step (a checkpoint's
+        digest comparison). torchft heals a group whose step is behind the quorum's, so this
+        group asks for its next quorum at step 0; alone in that quorum it trains on, and its
+        step is the trainer's again from the step after."""
+        self._behind = True
+
+    def sync_gradients(self, trainer: TrainerView, loss_sum: torch.Tensor,
                        counted_labels: int) -> tuple[torch.Tensor, int, bool]:
         """Sum this rank's gradients, loss sum, counted labels and replica index with the
         same rank of the other groups in the quorum, scale the gradients to the mean over
@@ -356,17 +438,15 @@ class ReplicaSync:
         manager = self._manager_for(trainer)
         group, step = self.group, trainer.step_count
         grads = [local_tensor(p.grad) for p in trainer.model.parameters()]
-        flat = torch.cat([g.reshape(-1) for g in grads])
         mine = trainer.loader.counted_labels(
             step, documents=trainer.options.data.documents,
             rows=replica_rows(group.index, group.count, trainer.options.train.global_batch))
         # float64: counts and loss sums stay exact; one slot per replica says who took part
-        tally = torch.zeros(2 + group.count, dtype=torch.float64, device=flat.device)
+        tally = torch.zeros(2 + group.count, dtype=torch.float64, device=trainer.device)
         tally[0], tally[1], tally[2 + group.index] = loss_sum.double(), mine, 1.0
-        works = [manager.allreduce(flat, reduce_op=ReduceOp.SUM),
-                 manager.allreduce(tally, reduce_op=ReduceOp.SUM)]
-        for work in works:
-            work.wait()
+        tallied = manager.allreduce(tally, reduce_op=ReduceOp.SUM)
+        sum_in_place(manager, grads)
+        tallied.wait()
         committed = manager.should_commit()
         quorum_size = manager.num_participants()
         if not committed:
@@ -377,11 +457,7 @@ class ReplicaSync:
         counted_participating = round(tally[1].item())
         scale = participation_scale(counted_labels, counted_participating)
         if scale != 1.0:
-            flat.mul_(scale)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+            torch._foreach_mul_(grads, scale)
         participating = tuple(i for i in range(group.count) if tally[2 + i].item() > 0.5)
         self._record(committed=True, quorum_size=quorum_size, participating=participating)
         return tally[0].to(loss_sum.dtype), counted_participating, True
@@ -397,13 +473,20 @@ class ReplicaSync:
             healed=self._healed, heal_seconds=self._quorum_seconds if self._healed else 0.0)
 
     def step_stats(self, stats: StepStats) -> StepStats:
-        """``stats`` with what the replicas did in this step; the MFU is the job's (the
-        global batch's tokens over every group's devices, not this group's alone)."""
+        """``stats`` with what the replicas did in this step. Tokens, tokens/s and the MFU
+        count what was trained: the participants' slices of the global batch (a missing
+        group's slices are dropped), and the MFU is the job's (over every group's devices,
+        not this group's alone). A step not committed trained nothing and keeps the batch's
+        figures (it is taken again)."""
         last = self.last
         if last is None:
             return stats
+        count = self.group.count
+        share = len(last.participating) / count if last.committed else 1.0
         return replace(
-            stats, mfu=None if stats.mfu is None else stats.mfu / self.group.count,
+            stats, tokens=round(stats.tokens * share),
+            tokens_per_second=stats.tokens_per_second * share,
+            mfu=None if stats.mfu is None else stats.mfu * share / count,
             committed=last.committed, quorum_size=last.quorum_size,
             replicas_participating=list(last.participating),
             samples_dropped=last.samples_dropped, quorum_seconds=last.quorum_seconds,

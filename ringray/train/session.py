@@ -149,6 +149,18 @@ class TrainingSession:
         warnings, self.store.warnings = tuple(self.store.warnings), []
         return Saved(checkpoint=ref, warnings=warnings)
 
+    def fall_behind(self) -> None:
+        """This replica group heals from a live peer at its next step (its state differs)."""
+        if self.trainer.replicas is None:
+            raise RuntimeError("fall_behind: this session belongs to no replica group")
+        self.trainer.replicas.fall_behind()
+
+    def close(self) -> None:
+        """Shut this rank's torchft manager down (a replica group's), so the Lighthouse and
+        the peers see the group leave; nothing else holds a server."""
+        if self.trainer.replicas is not None:
+            self.trainer.replicas.shutdown()
+
     def state_digest(self) -> str:
         """A SHA-256 of this rank's training state: its weights and optimizer state (its
         shards under FSDP), loader position, RNG and step. Replica groups in step hold equal

@@ -40,7 +40,8 @@ class StepStats:
     grad_norm: float  # global L2 norm before clipping
     learning_rate: float
     step_seconds: float
-    tokens: int  # tokens in the global batch (every input token, counted labels or not)
+    tokens: int  # tokens trained: the global batch's (every input token, counted labels or
+    # not), less the slices of replica groups that missed the step (samples_dropped)
     tokens_per_second: float
     attention_compute_seconds: list[float]
     exposed_comm_seconds: list[float]
