@@ -14,12 +14,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Mapping
+from dataclasses import replace
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from ringray.train.host_memory import release_freed_memory
+from ringray.train.options import TrainOptions
+from ringray.train.replicas import ReplicaMembership
 
 
 def _init_distributed() -> None:
@@ -34,6 +38,53 @@ def _init_distributed() -> None:
     dist.init_process_group(backend, timeout=timedelta(minutes=10))
 
 
+LIGHTHOUSE_VARIABLE = "TORCHFT_LIGHTHOUSE"
+"""torchft's own variable for the Lighthouse's address (torchtitan's replica groups read it)."""
+
+
+def replica_membership(count: int, index: int | None, lighthouse: str | None,
+                       environ: Mapping[str, str]) -> ReplicaMembership | None:
+    """This torchrun's replica group, from ``--replica-group`` and ``--lighthouse``, its
+    store being torchrun's (MASTER_ADDR, MASTER_PORT); None without replica groups.
+
+    Raises:
+        ValueError: one line naming what is missing or does not fit.
+    """
+    if count < 2:
+        if index is not None:
+            raise ValueError(f"--replica-group {index}: parallel.dp_replicate is {count} (no "
+                             f"replica groups); set parallel.dp_replicate >= 2 or leave "
+                             f"--replica-group out")
+        return None
+    if index is None:
+        raise ValueError(f"parallel.dp_replicate: {count} replica groups run as one torchrun "
+                         f"each: give each --replica-group I (0 to {count - 1}) and the "
+                         f"Lighthouse (--lighthouse or ${LIGHTHOUSE_VARIABLE}); see "
+                         f"docs/operations.md")
+    if not lighthouse:
+        raise ValueError(f"--replica-group {index}: no Lighthouse; give --lighthouse "
+                         f"http://HOST:PORT or set ${LIGHTHOUSE_VARIABLE} (start one with "
+                         f"torchft_lighthouse --min_replicas 1)")
+    if "MASTER_ADDR" not in environ or "MASTER_PORT" not in environ:
+        raise ValueError(f"--replica-group {index}: run under torchrun (its store, "
+                         f"MASTER_ADDR:MASTER_PORT, is the group's), e.g. torchrun "
+                         f"--nproc-per-node 1 --master-port 29601 -m ringray.train ...")
+    return ReplicaMembership(index=index, count=count, lighthouse=lighthouse,
+                             store=(environ["MASTER_ADDR"], int(environ["MASTER_PORT"])))
+
+
+def group_run(options: TrainOptions, index: int) -> TrainOptions:
+    """Replica group ``index``'s own run directory (``RUN/replica-<index>``) and checkpoint
+    location (``checkpoint.path/replica-<index>`` when set): each group logs and checkpoints
+    its own copy, and a restart of any of them resumes from its newest checkpoint (a group
+    behind heals from a live peer at its first step)."""
+    suffix = f"replica-{index}"
+    path = options.checkpoint.path
+    return replace(options, run_dir=f"{options.run_dir.rstrip('/')}/{suffix}",
+                   checkpoint=replace(options.checkpoint, path=(
+                       f"{path.rstrip('/')}/{suffix}" if path else None)))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m ringray.train", description="Train one job from a job spec."
@@ -44,6 +95,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
         help="override one field of the spec (repeatable), e.g. --set train.steps=20",
+    )
+    parser.add_argument(
+        "--replica-group", type=int, default=None, metavar="I",
+        help="with parallel.dp_replicate R > 1: this torchrun is replica group I (0 to R - 1); "
+             "start one torchrun per group, each with its own --master-port",
+    )
+    parser.add_argument(
+        "--lighthouse", default=os.environ.get(LIGHTHOUSE_VARIABLE),
+        help=f"with --replica-group: the torchft Lighthouse's address, http://HOST:PORT "
+             f"(default: ${LIGHTHOUSE_VARIABLE}); start it on its own: torchft_lighthouse "
+             f"--min_replicas 1 --join_timeout_ms 10000",
     )
     args = parser.parse_args(argv)
     is_rank0 = int(os.environ.get("RANK", "0")) == 0
@@ -60,8 +122,17 @@ def main(argv: list[str] | None = None) -> int:
             where = "" if text.startswith(str(args.config)) else f"{args.config}: "
             print(f"error: {where}{text}", file=sys.stderr)
         return 2
-    _init_distributed()
     options = spec.train_options()
+    try:
+        replica = replica_membership(options.parallel.dp_replicate, args.replica_group,
+                                     args.lighthouse, os.environ)
+    except ValueError as exc:
+        if is_rank0:
+            print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if replica is not None:
+        options = group_run(options, replica.index)
+    _init_distributed()
 
     def write_job_file() -> None:  # as `ringray train` does, once the job has started
         try:
@@ -72,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         run_training(options, log=lambda line: print(line, flush=True),
-                     on_start=write_job_file)
+                     on_start=write_job_file, replica=replica)
     except ValueError as exc:  # options that do not fit the world, found before training
         if is_rank0:
             print(f"error: {exc}", file=sys.stderr)

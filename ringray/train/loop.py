@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ringray.data import PasskeyReport
-from ringray.train.checkpoint import CheckpointRef
+from ringray.train.checkpoint import CheckpointRef, RunPlan
 from ringray.train.collective import is_rank0, on_rank0, world_size
 from ringray.train.options import TrainOptions
+from ringray.train.replicas import ReplicaMembership, ReplicaSync
 from ringray.train.run_dir import RunDirectory
 from ringray.train.session import Saved, TrainingSession, checkpoint_due, plan_session
 from ringray.train.step_stats import StepStats
@@ -50,12 +51,17 @@ def format_step(stats: StepStats, total_steps: int) -> str:
     )
 
 
+UNCOMMITTED_ATTEMPTS = 5
+"""Steps in a row a replica group may fail to commit before the run stops with an error."""
+
+
 def run_training(
     options: TrainOptions,
     *,
     stop_after: int | None = None,
     log: Log = print,
     on_start: Callable[[], None] | None = None,
+    replica: ReplicaMembership | None = None,
 ) -> RunResult:
     """Train to ``train.steps`` (or stop after step ``stop_after``, as an interrupted run
     would), checkpointing every ``checkpoint.interval`` steps and at the end.
@@ -68,6 +74,10 @@ def run_training(
     ``on_start`` is called on rank 0 once the job has started (the trainer is built, nothing
     was refused), before any checkpoint is restored: ``python -m ringray.train`` writes the
     run's job.yaml there, so that ``ringray export`` and ``ringray resume`` read the run.
+
+    ``replica``: this world is one replica group of ``parallel.dp_replicate``
+    (:mod:`ringray.train.replicas`; under torchrun, one torchrun per group). A step the
+    groups do not commit is taken again and not logged.
     """
     writer = is_rank0()
     run_dir = RunDirectory(options.run_dir, job=Path(options.run_dir).name)
@@ -77,14 +87,15 @@ def run_training(
         say(note)
     try:
         return _run(options, run_dir if writer else None, stop_after=stop_after, say=say,
-                    on_start=on_start if writer else None)
+                    on_start=on_start if writer else None, replica=replica)
     finally:
         if writer:
             run_dir.close()
 
 
 def _run(options: TrainOptions, run_dir: RunDirectory | None, *, stop_after: int | None,
-         say: Log, on_start: Callable[[], None] | None) -> RunResult:
+         say: Log, on_start: Callable[[], None] | None,
+         replica: ReplicaMembership | None) -> RunResult:
     # A job this world or device cannot run is refused here, on every rank alike, before rank 0
     # moves an earlier run aside (checkpoint.move_aside) or any model is built.
     check_world(options, world_size(), default_device())
@@ -102,15 +113,28 @@ def _run(options: TrainOptions, run_dir: RunDirectory | None, *, stop_after: int
             f"train.steps: {options.train.steps} is below step {newest.step} of the checkpoint "
             f"this run resumes ({newest.location}); set train.steps to {newest.step} or more, "
             f"or give a new run_dir to train afresh")
-    session = TrainingSession(options, run)
+    session = TrainingSession(options, run,
+                              replicas=ReplicaSync(replica) if replica is not None else None)
+    try:
+        return _train(options, run_dir, session, run, stop_after=stop_after, say=say,
+                      on_start=on_start, replica=replica)
+    finally:
+        session.close()  # a replica group's torchft manager: the others see it leave
+
+
+def _train(options: TrainOptions, run_dir: RunDirectory | None, session: TrainingSession,
+           run: RunPlan, *, stop_after: int | None, say: Log,
+           on_start: Callable[[], None] | None, replica: ReplicaMembership | None
+           ) -> RunResult:
     shape, train = session.trainer.mesh.shape, options.train
+    group = "" if replica is None else f", replica group {replica.index} of {replica.count}"
     say(
         f"ringray: {options.model.num_params() / 1e6:.2f}M-parameter model (built and "
         f"{'loaded' if options.pretrained else 'initialised'} in "
         f"{session.trainer.model_seconds:.1f} s), "
         f"dp={shape.dp} × cp={shape.cp} ({options.layout_kind}), seq {train.seq_len}, "
         f"global batch {train.global_batch}, {train.steps} steps, device "
-        f"{session.trainer.device}"
+        f"{session.trainer.device}{group}"
     )
     if on_start is not None:
         on_start()
@@ -126,8 +150,18 @@ def _run(options: TrainOptions, run_dir: RunDirectory | None, *, stop_after: int
 
     last_stats, saved = None, restored.checkpoint
     end = train.steps if stop_after is None else min(stop_after, train.steps)
+    uncommitted = 0
     while session.step_count < end:
         last_stats = session.step()
+        if not last_stats.committed:  # a replica group failed inside it: taken again
+            uncommitted += 1
+            if uncommitted >= UNCOMMITTED_ATTEMPTS:
+                raise RuntimeError(
+                    f"step {session.step_count + 1}: not committed in {uncommitted} attempts "
+                    f"in a row (torchft's quorum or its average kept failing; is the "
+                    f"Lighthouse at {replica.lighthouse if replica else '-'} up?)")
+            continue
+        uncommitted = 0
         if run_dir is not None:
             run_dir.record_step(last_stats)
         step = last_stats.step

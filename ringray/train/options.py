@@ -87,8 +87,9 @@ class ParallelOptions:
     optimizer state, loader position, RNG, step). 1: none (a fault restarts the job from
     its checkpoint). More needs torchft; `ringray train` starts the groups and the torchft
     Lighthouse and replaces a lost group alone while the others train
-    (ringray.cluster.replica_groups); `python -m ringray.train` does not start them yet.
-    train.global_batch must split over dp_replicate × dp."""
+    (ringray.cluster.replica_groups); under torchrun, run one `python -m ringray.train
+    --replica-group I` per group against a Lighthouse started on its own (each group its own
+    run directory, RUN/replica-I). train.global_batch must split over dp_replicate × dp."""
     cp: Annotated[int, Ge(1)] | None = None
     """Context-parallel ranks per sequence, ring × ulysses; null: world size / dp (torchrun
     only)."""

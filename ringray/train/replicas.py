@@ -191,8 +191,8 @@ def check_replicas(replicas: ReplicaSync | None, dp_replicate: int) -> None:
     elif dp_replicate > 1:
         raise ValueError(
             f"parallel.dp_replicate: {dp_replicate} replica groups need a ReplicaSync per "
-            f"trainer (ringray.train.replicas): `ringray train` starts them; `python -m "
-            f"ringray.train` does not yet, so use 1 there")
+            f"trainer (ringray.train.replicas): `ringray train` starts them, and `python -m "
+            f"ringray.train --replica-group I` under one torchrun per group")
 
 
 def require_torchft() -> Any:
