@@ -148,7 +148,9 @@ def test_replica_groups_start_across_hosts_and_a_killed_hosts_group_heals_from_a
         left = _left_on_ray(hosts)
 
     events = _events(run_dir)
-    assert left == {"actors": [], "placement_groups": []}, left  # none leaked
+    # none leaked: only the cluster's autoscaler ledger, one detached actor that every job
+    # shares by design (ringray/cluster/resource_requests.py), outlives the job
+    assert left == {"actors": ["ResourceRequests"], "placement_groups": []}, left
     assert _steps(run_dir) == list(range(1, steps + 1)), text  # none rolled back or repeated
     assert "restarts 0" in text and "(lost 1)" in text, text
     lost = [m for m in events if " lost (" in m and m.startswith("replica group ")]
@@ -159,7 +161,7 @@ def test_replica_groups_start_across_hosts_and_a_killed_hosts_group_heals_from_a
     assert {"job.yaml", "steps.jsonl", "events.jsonl"} <= {p.name for p in run_dir.iterdir()}
     assert yaml.safe_load((run_dir / "job.yaml").read_text())["run_dir"] == str(run_dir)
     print(f"fault-matrix: replica group's host killed | the other group trains on; the "
-          f"replacement heals on the spare host | 0 | {next_step - killed:.1f}")
+          f"standby on the spare host replaces it and heals | 0 | {next_step - killed:.1f}")
 
 
 @pytest.mark.slow

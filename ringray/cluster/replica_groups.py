@@ -426,11 +426,12 @@ class ReplicatedWorkerGroup:
         live = len(self.members)
         total = sum(node.slots for node in schedulable_nodes(
             worker_resources=self.job.worker_resources, avoid=set()))
-        return (f"no standby group: it needs {need} free worker slots (dp "
+        slots = "slot" if need == 1 else "slots"
+        return (f"no standby group: it needs {need} free worker {slots} (dp "
                 f"{self.options.parallel.dp} × cp {self.job.cp}); the live nodes have {total}, "
                 f"and the {live} live replica group(s) hold {live * need}, so a lost group's "
                 f"replacement will start its processes when it is needed (add a node with "
-                f"{need} slots, or set cluster.replica_standby: false to say none is wanted)")
+                f"{need} {slots}, or set cluster.replica_standby: false to say none is wanted)")
 
     def _join_standby(self, index: int, generation: int) -> RayWorkerGroup | None:
         """The standby as group ``index``, its process group formed; None (and the standby
