@@ -70,6 +70,7 @@ from recovery_ray_train import (  # noqa: E402
     run_ray_train_torchft,
 )
 from recovery_ringray import (  # noqa: E402
+    SYSTEM_REPLICAS,
     SYSTEM_STANDBY,
     run_ringray,
     run_ringray_replicas,
@@ -97,7 +98,7 @@ def run_recovery_bench(
     if options.ray_train and not ray_train:
         log(ray_train_missing())
     systems = {
-        "replicas": [("ringray", run_ringray_replicas), (SYSTEM_STANDBY, run_ringray_standby)]
+        "replicas": [(SYSTEM_REPLICAS, run_ringray_replicas), (SYSTEM_STANDBY, run_ringray_standby)]
         + ([(SYSTEM_TORCHFT, run_ray_train_torchft)] if ray_train else []),
         "restart": [("ringray", run_ringray)]
         + ([("Ray Train v2", run_ray_train)] if ray_train else []),

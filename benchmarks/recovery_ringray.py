@@ -126,8 +126,8 @@ def ringray_result(status: JobStatus, killed_at: float) -> RecoveryResult:
 
 
 # --------------------------------------------------------------------- replicas
-SYSTEM_REPLICAS = "ringray"
-SYSTEM_STANDBY = "ringray + standby"  # cluster.replica_standby: the replacement made ahead
+SYSTEM_REPLICAS = "ringray, no standby"  # cluster.replica_standby: false
+SYSTEM_STANDBY = "ringray (default: standby)"  # the default keeps a standby on the spare node
 REPLACED = re.compile(
     rf"^replica group {LOST_GROUP} replaced(?: by the standby group)? in ([0-9.]+) s")
 
@@ -135,8 +135,9 @@ REPLACED = re.compile(
 def run_ringray_replicas(options: RecoveryBenchOptions, nodes: BenchNodes, work_dir: Path,
                          log: Log, *, standby: bool = False) -> RecoveryResult:
     """Two replica groups (a CP=2 ring each, a node each, a spare node); group 1's node is
-    killed, no node added. ``standby``: the spare node holds a standby group's workers,
-    started ahead (``cluster.replica_standby``)."""
+    killed, no node added. ``standby``: the default configuration, in which the spare node
+    holds a standby group's workers, started ahead (``cluster.replica_standby`` unset);
+    without it, ``replica_standby: false`` (the replacement starts its processes then)."""
     system = SYSTEM_STANDBY if standby else SYSTEM_REPLICAS
     run_dir = work_dir / ("ringray-standby" if standby else "ringray-replicas")
     job = JobOptions(
@@ -147,7 +148,7 @@ def run_ringray_replicas(options: RecoveryBenchOptions, nodes: BenchNodes, work_
             max_failures=options.max_failures, request_resources=False,
             failure_domain=None,  # the bench's nodes have no zone labels
             replica_heartbeat_seconds=options.replica_heartbeat_seconds,
-            replica_standby=standby,
+            replica_standby=None if standby else False,
         ),
         metrics=MetricsOptions(port=None),
     )
