@@ -114,6 +114,13 @@ def test_rope_overrides_keep_change_or_replace_the_scaling() -> None:
     ("rope", "pattern"),
     [
         (RopeOptions(factor=2.0), r"^rope\.factor: has no effect without a scaling kind"),
+        # a new kind without a factor meant x1 (issue 40): refused, for each kind
+        (RopeOptions(scaling="linear"), r"^rope\.factor: not set; rope\.scaling: linear "
+                                        r"\(the model's is none\) needs the context"),
+        (RopeOptions(scaling="yarn", original_max_position_embeddings=512),
+         r"^rope\.factor: not set; rope\.scaling: yarn"),
+        (RopeOptions(scaling="llama3", original_max_position_embeddings=512),
+         r"^rope\.factor: not set; rope\.scaling: llama3"),
         (RopeOptions(scaling="yarn", factor=2.0),
          r"^rope\.original_max_position_embeddings: not set; scaling 'yarn' needs"),
         (RopeOptions(scaling="llama3", factor=8.0, original_max_position_embeddings=8192,

@@ -38,7 +38,8 @@ class RopeOptions:
     """Frequency scaling: 'none', 'linear' (position interpolation), 'llama3' (Llama 3.1) or
     'yarn' (YaRN) (default: the model's)."""
     factor: Annotated[float, Ge(1)] | None = None
-    """Context extension factor of the scaling (linear, llama3, yarn)."""
+    """Context extension factor of the scaling (linear, llama3, yarn); required when
+    rope.scaling sets a kind other than the model's (it would otherwise mean 1)."""
     original_max_position_embeddings: Annotated[int, Ge(1)] | None = None
     """Context length the model was pretrained at (llama3 and yarn need it)."""
     low_freq_factor: Annotated[float, Gt(0)] | None = None
@@ -63,6 +64,11 @@ class RopeOptions:
         if kind == "none" and changes:
             raise ValueError(f"rope.{min(changes)}: has no effect without a scaling kind; set "
                              f"rope.scaling to one of {', '.join(ROPE_SCALING_KINDS[1:])}")
+        if kind != scaling.kind and kind != "none" and self.factor is None:
+            # A new kind would start from factor 1: an extension that extends nothing.
+            raise ValueError(f"rope.factor: not set; rope.scaling: {kind} (the model's is "
+                             f"{scaling.kind}) needs the context extension factor, e.g. "
+                             f"rope.factor: 4 for four times the pretraining length")
         if kind != base.kind and kind in ("llama3", "yarn"):
             # A kind that needs the pretraining length keeps the model's, if it had one.
             changes.setdefault("original_max_position_embeddings",
