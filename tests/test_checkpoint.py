@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -242,6 +243,29 @@ def test_markers_without_checksums_still_load(tmp_path: Path) -> None:
     marker_path.write_text(json.dumps({**marker, "format": 2}))
     store.verify(ref)
     assert _loaded(store, ref)["note"] == "v1.0"
+
+
+def test_a_format_3_marker_that_does_not_vouch_for_every_file_is_refused(tmp_path: Path) -> None:
+    """Format 3 markers carry a CRC-32C per file. One whose checksums were deleted, or that
+    leaves out a file of the checkpoint (DCP would read it), loaded unverified (issue 40);
+    each is refused in one line naming the file."""
+    store = CheckpointStore(str(tmp_path), lineage="run")
+    ref = store.save(1, _state(1.0), keep=3)
+    marker_path = Path(ref.location) / COMPLETE_MARKER
+    marker = json.loads(marker_path.read_text())
+    assert marker["format"] == 3
+    first = sorted(marker["files"])[0]
+    for damaged, pattern in (
+            ({**marker, "crc32c": {}},
+             rf"its commit marker has no checksum for {re.escape(first)} "),
+            ({**marker, "files": {k: v for k, v in marker["files"].items() if k != first},
+              "crc32c": {k: v for k, v in marker["crc32c"].items() if k != first}},
+             rf"{re.escape(first)} is there but not in its commit marker")):
+        marker_path.write_text(json.dumps(damaged))
+        fresh = CheckpointStore(str(tmp_path), lineage="run")
+        with pytest.raises(CheckpointCorrupt, match=rf"^checkpoint {re.escape(ref.location)}: "
+                                                    rf"{pattern}"):
+            fresh.verify(fresh.latest())
 
 
 def test_a_damaged_marker_is_refused_with_its_reason_and_kept_until_superseded(

@@ -30,7 +30,9 @@ marker's sizes and checksums: a missing, truncated or changed file raises
 the previous checkpoint; :meth:`CheckpointStore.load` does the same check first (each rank
 hashing a share of the files). A marker that is there but unreadable is a damaged checkpoint:
 a resume tries it, refuses it with the reason, and it is not pruned until a checkpoint of its
-step or a later one commits. Markers of format 2 (sizes, no checksums) still load.
+step or a later one commits. Markers of format 2 (sizes, no checksums) still load; a marker of
+format 3 without a checksum for a file it lists, or leaving out a file of its checkpoint, is
+refused (it could not vouch for what DCP would read).
 
 **Errors.** A full disk, a permission or a read-only store while saving is a
 :class:`CheckpointWriteError` (a ``ValueError``: never retried) whose one line names
@@ -291,6 +293,9 @@ class CheckpointStore:
                 return (f"checkpoint {ref.location}: {name} is {actual} bytes, the commit "
                         f"marker says {size} ({'truncated' if actual < size else 'changed'})")
         checksums = marker.get("crc32c") or {}
+        unverifiable = self._unverifiable(ref, marker, path, files, checksums)
+        if unverifiable is not None:
+            return unverifiable
         index, count = share
         for name in sorted(checksums)[index::count] if hash_files else []:
             try:
@@ -302,6 +307,28 @@ class CheckpointStore:
                 return (f"checkpoint {ref.location}: {name} does not match its checksum "
                         f"(crc32c {actual}, the commit marker says {checksums[name]}): it "
                         f"changed after it was written")
+        return None
+
+    def _unverifiable(self, ref: CheckpointRef, marker: dict, path: str, files: dict,
+                      checksums: dict) -> str | None:
+        """A marker of format 3 or later must vouch for every file of its checkpoint: a
+        checksum for each file it lists, and every file there listed (DCP would read a file
+        the marker leaves out, unverified). Earlier formats had no checksums to lose."""
+        if marker.get("format", 1) < 3:
+            return None
+        unchecked = sorted(set(files) - set(checksums))
+        if unchecked:
+            return (f"checkpoint {ref.location}: its commit marker has no checksum for "
+                    f"{unchecked[0]} ({len(unchecked)} of {len(files)} files), so it cannot be "
+                    f"verified and is not loaded")
+        present = {full[len(path):].lstrip("/") for full, info in
+                   self._fs.find(path, detail=True).items() if info.get("type") != "directory"}
+        unlisted = sorted(name for name in present - set(files)
+                          if name and not name.startswith(COMPLETE_MARKER))
+        if unlisted:
+            return (f"checkpoint {ref.location}: {unlisted[0]} is there but not in its commit "
+                    f"marker ({len(unlisted)} file(s)), so it cannot be verified and is not "
+                    f"loaded")
         return None
 
     # ----------------------------------------------------------------- writing
