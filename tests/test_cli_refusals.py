@@ -67,6 +67,18 @@ def test_an_address_where_nothing_listens_fails_within_seconds(tmp_path: Path) -
     assert took < 60  # the probe waits 5 s at most; the rest is Python and torch starting
 
 
+def test_an_address_from_ray_address_is_named_as_such(tmp_path: Path, monkeypatch) -> None:
+    """An address taken from $RAY_ADDRESS was reported as --address, which the user never
+    gave (issue 40)."""
+    port = _free_port()
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    result, _ = _ringray("train", "jobs/quickstart.yaml", *_short(tmp_path / "run"))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"on Ray at 127.0.0.1:{port} (from $RAY_ADDRESS)" in result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: $RAY_ADDRESS 127.0.0.1:{port}: nothing answers"), line
+
+
 def test_a_job_that_cannot_fit_this_machine_is_refused_before_ray(tmp_path: Path) -> None:
     """seq 16M on CPU: the plan's per-worker peak is hundreds of GiB; refused with the
     figures (it ran, workers grew to 9 GB each until Ray killed them, before)."""

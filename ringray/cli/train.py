@@ -72,6 +72,7 @@ def run_job(spec: JobSpec, *, address: str | None, force: bool = False) -> None:
     job = replace(job, run_spec=run_spec_text(spec, run_dir=job.train.run_dir))
     if force:  # the workers' own check is off too
         job = _without_memory_check(job)
+    source = "--address" if address else "$RAY_ADDRESS"  # what a message names
     address = address or os.environ.get("RAY_ADDRESS")
     if address is None:  # on a cluster, a running job of this name is reattached to instead
         _check_run_dir(job)
@@ -83,10 +84,11 @@ def run_job(spec: JobSpec, *, address: str | None, force: bool = False) -> None:
         f"ringray: job {job.name!r}, {options.model.num_params() / 1e6:.2f}M-parameter model, "
         f"dp={job.dp_max} × cp={job.cp} ({options.layout_kind}), seq "
         f"{options.train.seq_len}, {options.train.steps} steps, "
-        f"on {'Ray at ' + address if address else 'an embedded local Ray'}",
+        f"on {'Ray at ' + address if address else 'an embedded local Ray'}"
+        f"{' (from $RAY_ADDRESS)' if address and source != '--address' else ''}",
         highlight=False,
     )
-    _run_on_ray(spec, job, address=address)
+    _run_on_ray(spec, job, address=address, source=source)
 
 
 def _check_run_dir(job: JobOptions) -> None:
@@ -209,7 +211,8 @@ def _deferring_stop_signals(work: Callable[[], T]) -> tuple[T, list[int]]:
     return result, came
 
 
-def _run_on_ray(spec: JobSpec, job: JobOptions, *, address: str | None) -> None:
+def _run_on_ray(spec: JobSpec, job: JobOptions, *, address: str | None,
+                source: str = "--address") -> None:
     if address is None:
         # An embedded Ray listens on loopback only and ends with this command: Ray 2.60's
         # token authentication protects nothing there, and its token file outlives the run.
@@ -218,13 +221,14 @@ def _run_on_ray(spec: JobSpec, job: JobOptions, *, address: str | None) -> None:
     # Ctrl-C, checkpoint and stop. Set before connect, which keeps it through ray.init.
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
-        _follow_on_ray(spec, job, address=address)
+        _follow_on_ray(spec, job, address=address, source=source)
     finally:
         if previous is not None:  # None: a handler not set from Python, which cannot restore it
             signal.signal(signal.SIGTERM, previous)
 
 
-def _follow_on_ray(spec: JobSpec, job: JobOptions, *, address: str | None) -> None:
+def _follow_on_ray(spec: JobSpec, job: JobOptions, *, address: str | None,
+                   source: str = "--address") -> None:
     from ringray.cluster.driver import (
         RayUnavailable,
         connect,
@@ -240,7 +244,7 @@ def _follow_on_ray(spec: JobSpec, job: JobOptions, *, address: str | None) -> No
         with err.status("starting Ray..." if address is None else f"connecting to {address}..."):
             embedded = connect(address, local_cpus=max(world, os.cpu_count() or 1))
     except RayUnavailable as exc:
-        fail(f"--address {address}: {exc}" if address else str(exc))
+        fail(f"{source} {address}: {exc}" if address else str(exc))
     except KeyboardInterrupt as interrupt:
         err.print("interrupted while Ray was starting; the job did not start", highlight=False)
         raise typer.Exit(code=128 + _signal_of(interrupt)) from None
