@@ -150,7 +150,7 @@ def test_replica_groups_start_across_hosts_and_a_killed_hosts_group_heals_from_a
     events = _events(run_dir)
     # none leaked: only the cluster's autoscaler ledger, one detached actor that every job
     # shares by design (ringray/cluster/resource_requests.py), outlives the job
-    assert left == {"actors": ["ResourceRequests"], "placement_groups": []}, left
+    assert set(left["actors"]) <= {"ResourceRequests"} and not left["placement_groups"], left
     assert _steps(run_dir) == list(range(1, steps + 1)), text  # none rolled back or repeated
     assert "restarts 0" in text and "(lost 1)" in text, text
     lost = [m for m in events if " lost (" in m and m.startswith("replica group ")]
