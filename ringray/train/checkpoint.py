@@ -282,18 +282,16 @@ class CheckpointStore:
             return str(exc)
         _, path = fsspec.core.url_to_fs(ref.location)
         files = marker.get("files") or {".metadata": None}
+        stored = self._stored_sizes(path)  # one listing, not a stat per file
         for name, size in sorted(files.items()):
-            try:
-                actual = self._fs.size(f"{path}/{name}")
-            except FileNotFoundError:
-                actual = None
+            actual = stored.get(name)
             if actual is None:
                 return f"checkpoint {ref.location}: {name} is missing"
             if size is not None and actual != size:
                 return (f"checkpoint {ref.location}: {name} is {actual} bytes, the commit "
                         f"marker says {size} ({'truncated' if actual < size else 'changed'})")
         checksums = marker.get("crc32c") or {}
-        unverifiable = self._unverifiable(ref, marker, path, files, checksums)
+        unverifiable = self._unverifiable(ref, marker, stored, files, checksums)
         if unverifiable is not None:
             return unverifiable
         index, count = share
@@ -309,7 +307,14 @@ class CheckpointStore:
                         f"changed after it was written")
         return None
 
-    def _unverifiable(self, ref: CheckpointRef, marker: dict, path: str, files: dict,
+    def _stored_sizes(self, path: str) -> dict[str, int]:
+        """Every file under ``path`` (relative name → size), as the marker names them."""
+        return {full[len(path):].lstrip("/"): int(info["size"])
+                for full, info in self._fs.find(path, detail=True).items()
+                if info.get("type") != "directory"}
+
+    @staticmethod
+    def _unverifiable(ref: CheckpointRef, marker: dict, stored: dict[str, int], files: dict,
                       checksums: dict) -> str | None:
         """A marker of format 3 or later must vouch for every file of its checkpoint: a
         checksum for each file it lists, and every file there listed (DCP would read a file
@@ -321,9 +326,7 @@ class CheckpointStore:
             return (f"checkpoint {ref.location}: its commit marker has no checksum for "
                     f"{unchecked[0]} ({len(unchecked)} of {len(files)} files), so it cannot be "
                     f"verified and is not loaded")
-        present = {full[len(path):].lstrip("/") for full, info in
-                   self._fs.find(path, detail=True).items() if info.get("type") != "directory"}
-        unlisted = sorted(name for name in present - set(files)
+        unlisted = sorted(name for name in set(stored) - set(files)
                           if name and not name.startswith(COMPLETE_MARKER))
         if unlisted:
             return (f"checkpoint {ref.location}: {unlisted[0]} is there but not in its commit "
@@ -503,19 +506,17 @@ class CheckpointStore:
         from ``written``; a file DCP did not write front to back is read back and hashed)."""
         path = f"{self._root}/{name}"
         files, checksums = {}, {}
-        for full, info in sorted(self._fs.find(path, detail=True).items()):
-            relative = full[len(path):].lstrip("/")
-            if not relative or relative.startswith(COMPLETE_MARKER) or \
-                    info.get("type") == "directory":
+        for relative, size in sorted(self._stored_sizes(path).items()):
+            if not relative or relative.startswith(COMPLETE_MARKER):
                 continue
-            files[relative] = size = int(info["size"])
+            files[relative] = size
             checksum = written.get(relative)
             if checksum is None:
-                with self._fs.open(full, "rb") as f:
+                with self._fs.open(f"{path}/{relative}", "rb") as f:
                     checksum = file_checksum(f)
             if checksum.size_bytes != size:  # the store kept something else than was written
                 raise OSError(errno.EIO, f"{size} bytes stored, {checksum.size_bytes} written",
-                              full)
+                              f"{path}/{relative}")
             checksums[relative] = checksum.crc32c
         unseen = sorted(set(written) - set(files))
         if unseen:  # written by other ranks somewhere rank 0 cannot see: not shared storage
