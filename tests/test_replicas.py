@@ -314,23 +314,33 @@ def test_the_first_quorum_waits_for_a_group_that_heartbeats_and_not_for_one_unkn
         known.shutdown()
 
 
-def test_two_replica_groups_equal_one_world_of_dp2(tmp_path) -> None:
-    """dp_replicate=2 × dp=1 (two processes, each its own world, averaging through torchft)
-    gives the losses, gradients and weights of dp=2 in one world, step by step, with both
-    groups in every step (the Lighthouse waits for two)."""
+def _two_groups(fn, args_of, *, timeout_seconds: float) -> Events:
+    """Replica groups 0 and 1 (one rank each) running ``fn(..., *args_of(index, lighthouse
+    address))`` against a Lighthouse that waits for both, until both are done; then every
+    process and the Lighthouse are stopped. Returns what they reported."""
     lighthouse = _lighthouse(min_replicas=2, join_timeout_ms=100)
     ctx = mp.get_context("spawn")
     events = Events(ctx.Queue())
-    options = tiny_options(str(tmp_path / "r2"), parallel={"dp": 1, "dp_replicate": 2},
-                           train={"global_batch": 4})
-    groups = [start_group(ctx, r, 1, events.queue, record_replica_steps, options,
-                          lighthouse.address(), STEPS) for r in range(2)]
+    groups = [start_group(ctx, r, 1, events.queue, fn, *args_of(r, lighthouse.address()))
+              for r in range(2)]
     try:
-        events.wait(lambda e: len(e.done) == 2, timeout_seconds=240, what="both groups")
+        events.wait(lambda e: len(e.done) == 2, timeout_seconds=timeout_seconds,
+                    what="both groups")
     finally:
         for procs in groups:
             stop(procs)
         lighthouse.shutdown()
+    return events
+
+
+def test_two_replica_groups_equal_one_world_of_dp2(tmp_path) -> None:
+    """dp_replicate=2 × dp=1 (two processes, each its own world, averaging through torchft)
+    gives the losses, gradients and weights of dp=2 in one world, step by step, with both
+    groups in every step (the Lighthouse waits for two)."""
+    options = tiny_options(str(tmp_path / "r2"), parallel={"dp": 1, "dp_replicate": 2},
+                           train={"global_batch": 4})
+    events = _two_groups(record_replica_steps, lambda r, address: (options, address, STEPS),
+                         timeout_seconds=240)
     world = tiny_options(str(tmp_path / "dp2"), parallel={"dp": 2}, train={"global_batch": 4})
     want = run_gloo_ranks(2, rank_record_steps, [world], STEPS, timeout_seconds=240)[0][0]
     for r in range(2):
@@ -504,18 +514,9 @@ def test_groups_that_would_average_different_weights_heal_first(tmp_path, behind
         saver.step()
         if step % 2 == 0:
             saver.save_checkpoint(store)
-    lighthouse = _lighthouse(min_replicas=2, join_timeout_ms=100)
-    ctx = mp.get_context("spawn")
-    events = Events(ctx.Queue())
-    groups = [start_group(ctx, index, 1, events.queue, train_from_checkpoint, options,
-                          lighthouse.address(), restore, perturb and index == 1, 6)
-              for index, restore in ((0, 4), (1, behind))]
-    try:
-        events.wait(lambda e: len(e.done) == 2, timeout_seconds=120, what="both groups")
-    finally:
-        for procs in groups:
-            stop(procs)
-        lighthouse.shutdown()
+    restores = {0: 4, 1: behind}
+    events = _two_groups(train_from_checkpoint, lambda r, address: (
+        options, address, restores[r], perturb and r == 1, 6), timeout_seconds=120)
     ahead, healing = events.done[(0, 0)], events.done[(1, 0)]
     want = [{"step": s, "committed": True, "healed": False, "participating": [0, 1]}
             for s in (5, 6)]

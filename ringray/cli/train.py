@@ -228,7 +228,7 @@ def _run_on_ray(spec: JobSpec, job: JobOptions, *, address: str | None,
 
 
 def _follow_on_ray(spec: JobSpec, job: JobOptions, *, address: str | None,
-                   source: str = "--address") -> None:
+                   source: str) -> None:
     from ringray.cluster.driver import (
         RayUnavailable,
         connect,

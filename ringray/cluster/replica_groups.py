@@ -244,8 +244,7 @@ class ReplicatedWorkerGroup:
                 tuple(dp * self.count for dp in dp_choices), avoid=avoid)
         except PlacementError as exc:
             dp, cp = min(dp_choices), self.job.cp
-            total = sum(node.slots for node in schedulable_nodes(
-                worker_resources=self.job.worker_resources, avoid=set(avoid)))
+            total = self._live_slots(avoid)
             raise PlacementError(
                 f"placement: parallel.dp_replicate {self.count} replica groups × dp {dp} × cp "
                 f"{cp} = {self.count * dp * cp} worker slots needed on live nodes; they have "
@@ -262,6 +261,11 @@ class ReplicatedWorkerGroup:
                     f"{len(set().union(*groups))} {domain!r} failure domain(s); one domain's "
                     f"loss can take more than one group (label the nodes' {domain!r})")
         return plan
+
+    def _live_slots(self, avoid: frozenset[str]) -> int:
+        """Worker slots on the live nodes (those in ``avoid`` left out), for messages."""
+        return sum(node.slots for node in schedulable_nodes(
+            worker_resources=self.job.worker_resources, avoid=set(avoid)))
 
     def feasible_dp(self, dp_choices: tuple[int, ...], *, avoid: frozenset[str]) -> int:
         try:
@@ -424,8 +428,7 @@ class ReplicatedWorkerGroup:
         """Why there is no standby group, with the arithmetic of the slots."""
         need = self.options.parallel.dp * self.job.cp
         live = len(self.members)
-        total = sum(node.slots for node in schedulable_nodes(
-            worker_resources=self.job.worker_resources, avoid=set()))
+        total = self._live_slots(frozenset())
         slots = "slot" if need == 1 else "slots"
         return (f"no standby group: it needs {need} free worker {slots} (dp "
                 f"{self.options.parallel.dp} × cp {self.job.cp}); the live nodes have {total}, "

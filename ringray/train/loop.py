@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ringray.data import PasskeyReport
-from ringray.train.checkpoint import CheckpointRef, RunPlan
+from ringray.train.checkpoint import CheckpointRef
 from ringray.train.collective import is_rank0, on_rank0, world_size
 from ringray.train.options import TrainOptions
 from ringray.train.replicas import ReplicaMembership, ReplicaSync
@@ -116,17 +116,17 @@ def _run(options: TrainOptions, run_dir: RunDirectory | None, *, stop_after: int
     session = TrainingSession(options, run,
                               replicas=ReplicaSync(replica) if replica is not None else None)
     try:
-        return _train(options, run_dir, session, run, stop_after=stop_after, say=say,
-                      on_start=on_start, replica=replica)
+        return _train(options, run_dir, session, stop_after=stop_after, say=say,
+                      on_start=on_start)
     finally:
         session.close()  # a replica group's torchft manager: the others see it leave
 
 
-def _train(options: TrainOptions, run_dir: RunDirectory | None, session: TrainingSession,
-           run: RunPlan, *, stop_after: int | None, say: Log,
-           on_start: Callable[[], None] | None, replica: ReplicaMembership | None
-           ) -> RunResult:
+def _train(options: TrainOptions, run_dir: RunDirectory | None, session: TrainingSession, *,
+           stop_after: int | None, say: Log, on_start: Callable[[], None] | None) -> RunResult:
     shape, train = session.trainer.mesh.shape, options.train
+    sync = session.trainer.replicas
+    replica = sync.group if sync is not None else None
     group = "" if replica is None else f", replica group {replica.index} of {replica.count}"
     say(
         f"ringray: {options.model.num_params() / 1e6:.2f}M-parameter model (built and "
