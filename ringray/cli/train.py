@@ -413,6 +413,8 @@ def format_status_line(status) -> str:
     if groups > 1:  # replica groups in the last step's quorum, and groups lost so far
         taking = len(stats.replicas_participating) if stats is not None else 0
         restarts += f"  replicas {taking}/{groups} (lost {len(status.replica_losses)})"
+    if status.nonfinite_skipped:
+        restarts += f"  non-finite skipped {status.nonfinite_skipped}"
     if stats is None:
         return f"{world}  {restarts}"
     return (f"loss {stats.loss:.4f}  {stats.tokens_per_second:,.0f} tok/s  "

@@ -54,6 +54,7 @@ class JobRecord:
         self._state = JobState.PLACING
         self._step = 0
         self._last_stats: StepStats | None = None
+        self._nonfinite_skipped = 0  # attempts passed over (train.nonfinite_skips)
         self._plan: PlacementPlan | None = None
         self._workers: tuple[WorkerHealth, ...] = ()
         self._restarts: list[Restart] = []
@@ -198,7 +199,11 @@ class JobRecord:
         if self.metrics is not None:
             self.metrics.step(stats)
         recovered = None
+        if stats.nonfinite_skipped:
+            self.event(f"step {stats.step}: {stats.nonfinite_skipped} attempt(s) before it "
+                       f"passed over, their loss or gradient norm not finite")
         with self._lock:
+            self._nonfinite_skipped += stats.nonfinite_skipped
             self._step, self._last_stats = stats.step, stats
             if self._awaiting_first_step is not None:  # the first step since a recovery
                 index, self._awaiting_first_step = self._awaiting_first_step, None
@@ -258,6 +263,7 @@ class JobRecord:
                 workers=self._workers, plan=plan, error=self._error,
                 events=tuple(self._events), metrics_url=self.metrics_url,
                 replica_groups=self.job.replicas, replica_losses=tuple(self._replica_losses),
+                nonfinite_skipped=self._nonfinite_skipped,
             )
 
 

@@ -97,6 +97,7 @@ class JobStatus:
     metrics_url: str | None = None  # the controller's Prometheus endpoint, when it serves one
     replica_groups: int = 1  # parallel.dp_replicate; dp counts every group's rings
     replica_losses: tuple[ReplicaLoss, ...] = ()
+    nonfinite_skipped: int = 0  # step attempts passed over as not finite (the job's whole run)
 
     @property
     def world_size(self) -> int:

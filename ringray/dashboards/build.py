@@ -179,8 +179,11 @@ def job_dashboard() -> dashboard.Dashboard:
                   f"sum({rate(series(step_seconds, '_count'))})", "mean"),
         )).unit("s").min(0),
         timeseries_panel("Gradient norm", 6, "Global L2 norm of the gradients before "
-                         "clipping.")
-        .targets(queries(query(series("ringray_grad_norm"), "grad norm"))).min(0),
+                         "clipping, and the attempts passed over because their loss or "
+                         "norm was not finite (train.nonfinite_skips).")
+        .targets(queries(query(series("ringray_grad_norm"), "grad norm"),
+                         query(series("ringray_nonfinite_steps_skipped_total"),
+                               "non-finite skipped"))).min(0),
         timeseries_panel("Learning rate", 6)
         .targets(queries(query(series("ringray_learning_rate"), "lr"))).unit("sci").min(0),
     ]

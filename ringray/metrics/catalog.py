@@ -117,6 +117,9 @@ CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec("ringray_last_checkpoint_step", "gauge",
                "Step of the last complete checkpoint.", JOB),
     # ---- replica groups (parallel.dp_replicate)
+    MetricSpec("ringray_nonfinite_steps_skipped_total", "counter",
+               "Step attempts passed over because their loss or gradient norm was not finite "
+               "(train.nonfinite_skips); nothing of them was applied.", JOB),
     MetricSpec("ringray_replica_groups", "gauge",
                "Replica groups the job asks for (parallel.dp_replicate; 1 without).", JOB),
     MetricSpec("ringray_replica_groups_participating", "gauge",

@@ -182,6 +182,8 @@ class JobMetrics:
         self._job("ringray_replica_groups_participating").set(participating)
         if participating < groups:
             self._job("ringray_replica_degraded_steps_total").inc()
+        if stats.nonfinite_skipped:
+            self._job("ringray_nonfinite_steps_skipped_total").inc(stats.nonfinite_skipped)
         if stats.samples_dropped:
             self._job("ringray_replica_samples_dropped_total").inc(stats.samples_dropped)
         self._job("ringray_last_step_timestamp_seconds").set(time.time())

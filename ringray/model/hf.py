@@ -380,7 +380,8 @@ def load_hf_weights(model: Transformer, checkpoint: SafetensorsCheckpoint | str)
 
     Raises:
         ValueError: one line naming the tensor, for a tensor missing from the checkpoint, a
-            shape that differs from the model's, or a tensor the model has no place for.
+            shape that differs from the model's, a tensor the model has no place for, or a
+            tensor holding a NaN or an infinity.
     """
     if isinstance(checkpoint, str):
         checkpoint = SafetensorsCheckpoint(checkpoint)
@@ -388,7 +389,15 @@ def load_hf_weights(model: Transformer, checkpoint: SafetensorsCheckpoint | str)
     params = dict(model.named_parameters())
     by_hf_name = {hf_name: params[name] for name, hf_name in hf_parameter_names(model).items()}
     for hf_name, tensor in checkpoint.tensors(by_hf_name):
+        if not torch.isfinite(tensor).all():
+            raise ValueError(nonfinite_tensor_message(checkpoint.root, hf_name))
         by_hf_name[hf_name].copy_(tensor)
+
+
+def nonfinite_tensor_message(root: str, hf_name: str) -> str:
+    """One line refusing a pretrained checkpoint whose tensor ``hf_name`` is not finite."""
+    return (f"{root}: tensor {hf_name} holds a NaN or an infinity; a model cannot train or "
+            f"evaluate from it (a damaged file, or weights saved from a diverged run)")
 
 
 def load_pretrained(

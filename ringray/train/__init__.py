@@ -29,7 +29,15 @@ from ringray.train.options import (
     TrainOptions,
 )
 from ringray.train.run_dir import RunDirectory
-from ringray.train.session import Restored, Saved, TrainingSession, checkpoint_due, plan_session
+from ringray.train.session import (
+    NonFiniteSteps,
+    NonFiniteWeights,
+    Restored,
+    Saved,
+    TrainingSession,
+    checkpoint_due,
+    plan_session,
+)
 from ringray.train.step_stats import StepStats
 from ringray.train.trainer import Trainer
 
@@ -40,6 +48,8 @@ __all__ = [
     "EvalOptions",
     "Mesh",
     "MeshShape",
+    "NonFiniteSteps",
+    "NonFiniteWeights",
     "OptimizerOptions",
     "ParallelOptions",
     "Restored",

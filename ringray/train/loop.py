@@ -165,6 +165,10 @@ def _train(options: TrainOptions, run_dir: RunDirectory | None, session: Trainin
         if run_dir is not None:
             run_dir.record_step(last_stats)
         step = last_stats.step
+        if last_stats.nonfinite_skipped:
+            say(f"step {step}: {last_stats.nonfinite_skipped} attempt(s) before it passed over, "
+                f"their loss or gradient norm not finite (train.nonfinite_skips: "
+                f"{train.nonfinite_skips} in a row)")
         if step == 1 or step % train.log_every == 0 or step == end:
             say(format_step(last_stats, train.steps))
         if checkpoint_due(step, options):

@@ -37,6 +37,7 @@ import math
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -47,6 +48,7 @@ from ringray.model import (
     Transformer,
     check_hf_weights,
     hf_parameter_names,
+    nonfinite_tensor_message,
 )
 from ringray.model.llama import ActivationCheckpointing, parameter_init
 from ringray.train.sharding import shard_model
@@ -84,7 +86,13 @@ def build_model(
     if pretrained is None:
         fill_initial_(model, seed=seed)
     else:
-        fill_pretrained_(model, pretrained)
+        bad = fill_pretrained_(model, pretrained)
+        if fsdp_mesh is not None:  # each rank read other rows: every rank raises alike
+            found: list[str | None] = [None] * fsdp_mesh.size()
+            dist.all_gather_object(found, bad, group=fsdp_mesh.get_group())
+            bad = next((name for name in found if name is not None), None)
+        if bad is not None:
+            raise ValueError(nonfinite_tensor_message(pretrained.root, bad))
     return model
 
 
@@ -150,13 +158,18 @@ def _fill_normal_rows_(local: torch.Tensor, rows: slice, *, std: float,
 
 
 @torch.no_grad()
-def fill_pretrained_(model: nn.Module, checkpoint: SafetensorsCheckpoint) -> None:
+def fill_pretrained_(model: nn.Module, checkpoint: SafetensorsCheckpoint) -> str | None:
     """Fill this rank's rows of every parameter of ``model`` (whole or FSDP-sharded) from a
     Hugging Face checkpoint, reading only those rows' bytes of each tensor (cast to the
     parameter's dtype). The caller has checked the checkpoint
-    (:func:`~ringray.model.check_hf_weights`)."""
+    (:func:`~ringray.model.check_hf_weights`). Returns the checkpoint's name of the first
+    tensor whose rows read here hold a NaN or an infinity, else ``None``."""
     hf_names = hf_parameter_names(model.config)
+    bad = None
     for name, param in model.named_parameters():
         local, rows = owned_rows(param)
         if local.numel():
             local.copy_(checkpoint.read(hf_names[name], rows=rows))
+            if bad is None and not torch.isfinite(local).all():
+                bad = hf_names[name]
+    return bad

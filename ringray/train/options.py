@@ -154,6 +154,12 @@ class TrainingOptions:
     included; keeps only block inputs); 'selective' (each block but its ring pass: keeps
     block inputs and ring attention's q, output, LSE and K/V blocks (its own and the last
     one received), so no K/V block is sent twice)."""
+    nonfinite_skips: Annotated[int, Ge(0)] = 3
+    """A step whose loss or gradient norm is not finite (NaN or inf) is not taken: its batch
+    is skipped, the weights, optimizer and schedule stay as they were, and the skip is
+    counted (steps.jsonl, the live line). After this many such steps in a row the run stops
+    with an error naming the step; 0 stops at the first. No checkpoint of non-finite weights
+    is ever committed."""
     log_every: Annotated[int, Ge(1)] = 10
     """Print a progress line every N steps; the first and the last step are always printed,
     so N > steps prints only those."""

@@ -36,10 +36,11 @@ slice happened to count.
 **A replica that misses steps.** Its slices of those steps are *dropped*, not handed to the
 survivors: every batch index keeps its fixed rows, so a replica's reads never depend on who
 else was alive, a survivor's step keeps its shape and memory, and the samples lost are
-counted (``StepStats.samples_dropped``). Every replica's loader stands at its committed step
-(``loader.next_index == step_count``): a step that is not committed (a peer died during it)
-is not taken, its batch is read again by the next attempt, and the RNG is put back as it was
-at the step's start; a replica that heals takes its peer's position. A checkpoint written by
+counted (``StepStats.samples_dropped``). Every replica's loader stands at the same batch (the
+committed steps' and the non-finite attempts' passed over, which every group judges alike
+from the same sums): a step that is not committed (a peer died during it) is not taken, its
+batch is read again by the next attempt, and the RNG is put back as it was at the step's
+start; a replica that heals takes its peer's position. A checkpoint written by
 any replica therefore resumes exactly.
 
 **Healing.** A replica group behind the quorum's step (started late, or restarted after a
@@ -418,6 +419,7 @@ class ReplicaSync:
         manager.start_quorum()
         self._quorum_seconds = time.perf_counter() - start
         self._rng = _rng_state(trainer.device)
+        self._batch = trainer.loader.next_index  # the batch this attempt reads
 
     def fall_behind(self) -> None:
         """Heal from a live peer at the next step's start, whatever step this group is at:
@@ -436,10 +438,10 @@ class ReplicaSync:
         the participants' loss sum (this rank's share) and counted labels. A step that is
         not committed is rewound: the loader reads its batch again, the RNG is restored."""
         manager = self._manager_for(trainer)
-        group, step = self.group, trainer.step_count
+        group, batch = self.group, self._batch
         grads = [local_tensor(p.grad) for p in trainer.model.parameters()]
         mine = trainer.loader.counted_labels(
-            step, documents=trainer.options.data.documents,
+            batch, documents=trainer.options.data.documents,
             rows=replica_rows(group.index, group.count, trainer.options.train.global_batch))
         # float64: counts and loss sums stay exact; one slot per replica says who took part
         tally = torch.zeros(2 + group.count, dtype=torch.float64, device=trainer.device)
@@ -450,7 +452,7 @@ class ReplicaSync:
         committed = manager.should_commit()
         quorum_size = manager.num_participants()
         if not committed:
-            trainer.loader.next_index = step  # the next attempt reads this batch again
+            trainer.loader.next_index = batch  # the next attempt reads this batch again
             _set_rng_state(self._rng, trainer.device)
             self._record(committed=False, quorum_size=quorum_size, participating=())
             return loss_sum, counted_labels, False

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -55,6 +55,15 @@ class Restored:
     """The checkpoint loaded, or ``None``."""
     refused: tuple[str, ...] = ()
     """Why each newer checkpoint was refused (one line each), newest first."""
+
+
+class NonFiniteSteps(ValueError):
+    """Steps in a row whose loss or gradient norm was not finite, past
+    ``train.nonfinite_skips``: the run stops (a retry would meet the same weights and data)."""
+
+
+class NonFiniteWeights(ValueError):
+    """A checkpoint refused because a weight is not finite (nothing was written)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,11 +149,47 @@ class TrainingSession:
         return Restored(step=self.trainer.step_count, checkpoint=None)
 
     def step(self) -> StepStats:
-        """One optimizer step on every rank."""
-        return self.trainer.step()
+        """One optimizer step on every rank (or a replica group's attempt it did not commit).
+
+        An attempt whose loss or gradient norm is not finite is not a step: nothing of it is
+        applied, its batch is passed over and the next batch is tried, at most
+        ``train.nonfinite_skips`` times in a row; the step finally taken reports how many
+        were passed over (``nonfinite_skipped``).
+
+        Raises:
+            NonFiniteSteps: one attempt more than ``train.nonfinite_skips`` in a row was not
+                finite (one line naming the step, the values and the field).
+        """
+        limit = self.options.train.nonfinite_skips
+        skipped = 0
+        while True:
+            stats = self.trainer.step()
+            if stats.finite or not stats.committed:
+                return replace(stats, nonfinite_skipped=skipped) if skipped else stats
+            skipped += 1
+            if skipped > limit:
+                raise NonFiniteSteps(
+                    f"step {stats.step + 1}: not finite in {skipped} attempt"
+                    f"{'s' if skipped > 1 else ''} in a row, each on a new batch (the last: "
+                    f"loss {stats.loss:.4g}, gradient norm {stats.grad_norm:.4g}; "
+                    f"train.nonfinite_skips: {limit}); none was applied or checkpointed. "
+                    f"Lower train.optimizer.lr (now {self.options.train.optimizer.lr:g}), or "
+                    f"check the data and the starting weights")
 
     def checkpoint(self) -> Saved:
-        """Save and commit the current step; pruning problems come back as warnings."""
+        """Save and commit the current step; pruning problems come back as warnings.
+
+        Raises:
+            NonFiniteWeights: a weight holds a NaN or an infinity; nothing is written, so the
+                newest committed checkpoint (and every one pruning would have removed) stays.
+        """
+        bad = self.trainer.nonfinite_weight()
+        if bad is not None:
+            raise NonFiniteWeights(
+                f"step {self.step_count}: not checkpointed: weight {bad} holds a NaN or an "
+                f"infinity (the optimizer's update overflowed; lower "
+                f"train.optimizer.lr, now {self.options.train.optimizer.lr:g}); the newest "
+                f"committed checkpoint stays the one to resume")
         ref = self.trainer.save_checkpoint(self.store)
         warnings, self.store.warnings = tuple(self.store.warnings), []
         return Saved(checkpoint=ref, warnings=warnings)

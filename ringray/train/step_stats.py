@@ -79,6 +79,11 @@ class StepStats:
     samples_dropped: int = 0  # sequences of the global batch not trained on: the slices of
     # the replica groups missing from a committed step
     quorum_seconds: float = 0.0  # forming the quorum at the step's start (a heal included)
+    # Non-finite steps (train.nonfinite_skips): finite False marks an attempt whose loss or
+    # gradient norm was NaN or inf, so nothing was applied (``step`` is the count before it);
+    # a step taken after such attempts counts them in nonfinite_skipped.
+    finite: bool = True
+    nonfinite_skipped: int = 0
     healed: bool = False  # this replica group loaded a live peer's state at the step's start
     heal_seconds: float = 0.0  # from asking for the quorum to the peer's state loaded
 

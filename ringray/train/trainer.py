@@ -49,6 +49,7 @@ import statistics
 import time
 from collections import OrderedDict
 from contextlib import nullcontext
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -81,7 +82,7 @@ from ringray.train.mesh import Mesh, MeshShape, build_mesh, resolve_mesh_shape
 from ringray.train.options import TrainOptions, check_token_budget
 from ringray.train.replicas import ReplicaSync, check_replicas
 from ringray.train.schedule import learning_rate
-from ringray.train.sharding import all_reduce_gradients, clip_gradients_
+from ringray.train.sharding import all_reduce_gradients, clip_gradients_, local_tensor
 from ringray.train.step_stats import REPORT_FIELDS, StepStats, summarize_step
 
 
@@ -442,7 +443,8 @@ class Trainer:
                 self, loss_sum, counted_labels)
         clip = opt.grad_clip if opt.grad_clip > 0 else float("inf")
         grad_norm = clip_gradients_(self.model.parameters(), clip)
-        if committed:
+        finite = self._finite_everywhere(loss_sum, grad_norm)
+        if committed and finite:
             self.optimizer.step()
             self.step_count += 1
 
@@ -470,7 +472,18 @@ class Trainer:
             flops_per_token=self.flops_per_token,
             peak_flops_per_device=self.peak_flops_per_device, counted_labels=counted_labels,
         )
+        if not finite:
+            stats = replace(stats, finite=False)
         return stats if self.replicas is None else self.replicas.step_stats(stats)
+
+    def _finite_everywhere(self, loss_sum: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+        """Whether every rank's loss sum and the gradient norm are finite: the same answer
+        on every rank (one small all-reduce), so a non-finite step is skipped by all alike.
+        The norm is already global (the gradients were summed), the loss sums are not."""
+        flag = (torch.isfinite(loss_sum.detach()) & torch.isfinite(grad_norm)).to(torch.int32)
+        if self.mesh.distributed:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
 
     # ----------------------------------------------------------------- evaluation
     @torch.no_grad()
@@ -514,6 +527,17 @@ class Trainer:
             "step": self.step_count,
             "model_config": json.dumps(self.options.model.to_dict(), sort_keys=True),
         }
+
+    def nonfinite_weight(self) -> str | None:
+        """The name of a parameter holding a NaN or an infinity on any rank (the first in
+        rank order, then model order), else ``None``; the same answer on every rank."""
+        bad = next((name for name, param in self.model.named_parameters()
+                    if not torch.isfinite(local_tensor(param.detach())).all()), None)
+        if not self.mesh.distributed:
+            return bad
+        found: list[str | None] = [None] * self.mesh.shape.world_size
+        dist.all_gather_object(found, bad)
+        return next((name for name in found if name is not None), None)
 
     def save_checkpoint(self, store: CheckpointStore) -> CheckpointRef:
         """Write and commit a checkpoint of the current step (collective). The model's config
