@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 from faulty_fs import Crash, CrashingMemoryFS, DenyingMemoryFS, FullMemoryFS
+from torch.distributed.checkpoint import FileSystemReader
 from train_cases import tiny_options
 
+import ringray.train.checkpoint as checkpoint_module
 from ringray.train import CheckpointStore, Trainer
 from ringray.train.checkpoint import (
     COMPLETE_MARKER,
@@ -357,6 +359,64 @@ def test_tensors_that_do_not_fit_are_another_model_not_corruption(tmp_path: Path
         store.load(ref, other)
     assert not isinstance(info.value, CheckpointCorrupt)
     assert "belongs to another model" in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("raised", [
+    RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"),  # the device's
+    RuntimeError("NCCL error: unhandled system error"),  # a collective's
+    ValueError("I/O operation on closed file."),  # a stream's, raised by a library
+    KeyError("a reworded DCP message"),  # a torch release that says it otherwise
+])
+def test_an_error_inside_dcp_load_after_the_checksums_passed_is_retried(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, raised: Exception) -> None:
+    """The files passed their checksums and the checkpoint's metadata fits the state: an
+    error inside dcp.load is the store's, the device's or a peer's, whatever it says, so it
+    is a CheckpointIOError (retried), never CheckpointCorrupt (which would push the job
+    back to an older checkpoint) and never a ValueError (never retried)."""
+    store = CheckpointStore(str(tmp_path), lineage="run")
+    ref = store.save(1, _state(1.0), keep=3)
+
+    def read_data(self, plan, planner):
+        raise raised
+
+    monkeypatch.setattr(FileSystemReader, "read_data", read_data)
+    with pytest.raises(CheckpointIOError, match="files passed their checksums") as info:
+        store.load(ref, _state(0.0))
+    assert not isinstance(info.value, ValueError)
+
+
+def test_without_checksums_an_unreadable_checkpoint_is_still_corrupt(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A format-2 marker vouches for sizes only: a failure inside dcp.load may be the bytes,
+    so the restore falls back (CheckpointCorrupt), as before checksums."""
+    store = CheckpointStore(str(tmp_path), lineage="run")
+    ref = store.save(1, _state(1.0), keep=3)
+    marker_path = Path(ref.location) / COMPLETE_MARKER
+    marker = json.loads(marker_path.read_text())
+    del marker["crc32c"]
+    marker_path.write_text(json.dumps({**marker, "format": 2}))
+
+    def read_data(self, plan, planner):
+        raise RuntimeError("unpickling stack underflow")
+
+    monkeypatch.setattr(FileSystemReader, "read_data", read_data)
+    with pytest.raises(CheckpointCorrupt, match="cannot be read: RuntimeError: unpickling"):
+        store.load(ref, _state(0.0))
+
+
+def test_a_stream_closed_under_the_checksum_read_is_retried(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ValueError from the stream while the checksums are read (a library's, not
+    ringray's verdict on the bytes) is an I/O failure: CheckpointIOError, retried."""
+    store = CheckpointStore(str(tmp_path), lineage="run")
+    ref = store.save(1, _state(1.0), keep=3)
+
+    def closed(stream):
+        raise ValueError("I/O operation on closed file.")
+
+    monkeypatch.setattr(checkpoint_module, "file_checksum", closed)
+    with pytest.raises(CheckpointIOError, match="I/O operation on closed file"):
+        store.load(ref, _state(0.0))
 
 
 @pytest.mark.parametrize(("code", "deterministic"), [

@@ -222,9 +222,14 @@ class SafetensorsCheckpoint:
             row_bytes = (end - begin) // shape[0] if shape[0] else 0
             begin, end = begin + start * row_bytes, begin + max(stop, start) * row_bytes
             shape[0] = max(stop - start, 0)
-        with self._fs.open(self._file_path(entry.file), "rb") as f:
-            f.seek(begin)
-            data = f.read(end - begin)
+        try:
+            with self._fs.open(self._file_path(entry.file), "rb") as f:
+                f.seek(begin)
+                data = f.read(end - begin)
+        except ValueError as exc:  # the stream's own (a file closed under the read): the
+            # store failed, not the file's content; an OSError, so the service retries it
+            raise OSError(f"{entry.file}: reading bytes {begin}-{end} failed: "
+                          f"{type(exc).__name__}: {exc}") from exc
         if not data:
             return torch.empty(shape, dtype=dtype)
         return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)

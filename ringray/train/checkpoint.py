@@ -64,7 +64,9 @@ import torch.distributed.checkpoint as dcp
 from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ringray.train.checkpoint_errors import (
     DETERMINISTIC_ERRNOS,
@@ -301,6 +303,9 @@ class CheckpointStore:
                     actual = file_checksum(f).crc32c
             except FileNotFoundError:
                 return f"checkpoint {ref.location}: {name} is missing"
+            except ValueError as exc:  # the stream's own (a file closed under the read): the
+                # store failed, the bytes said nothing, so a retry can pass
+                raise OSError(f"reading {path}/{name}: {type(exc).__name__}: {exc}") from exc
             if actual != checksums[name]:
                 return (f"checkpoint {ref.location}: {name} does not match its checksum "
                         f"(crc32c {actual}, the commit marker says {checksums[name]}): it "
@@ -608,7 +613,34 @@ class CheckpointStore:
             with _quiet_single_process():
                 dcp.load(state, storage_reader=self._reader(ref.location))
         except (Exception, CheckpointException) as exc:
-            raise load_error(ref, exc) from None
+            verified = bool(self.marker(ref).get("crc32c"))  # format 3: checksums checked
+            raise load_error(ref, exc, mismatch=self._mismatch(ref, state),
+                             verified=verified) from None
+
+    def _mismatch(self, ref: CheckpointRef, state: dict[str, Any]) -> str | None:
+        """The evidence that ``ref`` holds another model's state, from its own metadata (DCP's
+        ``.metadata``): the first entry of ``state`` it lacks, or holds with another shape or
+        dtype (one line), else ``None``; ``None`` too when the metadata cannot be read (the
+        files passed their checks, so that is no evidence)."""
+        try:
+            stored = self._reader(ref.location).read_metadata().state_dict_metadata
+        except Exception:  # noqa: BLE001 - no evidence either way
+            return None
+        flat, _ = flatten_state_dict(state)
+        for key, value in flat.items():
+            meta = stored.get(key)
+            if meta is None:
+                return f"it has no {key}"
+            if not isinstance(value, torch.Tensor):
+                continue
+            if not isinstance(meta, TensorStorageMetadata):
+                return f"its {key} is not a tensor"
+            if tuple(meta.size) != tuple(value.shape):
+                return (f"its {key} has shape {list(meta.size)}, this run's "
+                        f"{list(value.shape)}")
+            if meta.properties.dtype != value.dtype:
+                return f"its {key} is {meta.properties.dtype}, this run's {value.dtype}"
+        return None
 
     def _verify_on_every_rank(self, ref: CheckpointRef) -> None:
         """:meth:`verify` split over the ranks (rank r hashes every world-th file from the

@@ -3,7 +3,8 @@
     except (Exception, CheckpointException) as exc:       # what dcp.save / dcp.load raised
         describe_error(exc)        # "ENOSPC (No space left on device): /ck/step_.../__0_0.distcp"
         deterministic_errno(exc)   # errno.ENOSPC: no retry can fix it
-        load_error(ref, exc)       # CheckpointError / CheckpointIOError / CheckpointCorrupt
+        load_error(ref, exc, mismatch=..., verified=...)  # by evidence: CheckpointError /
+                                                          # CheckpointIOError / CheckpointCorrupt
 
 The service retries what is not a ``ValueError``: :class:`CheckpointError` and its kinds are
 ValueErrors (a full disk, a corrupt checkpoint, another model's), :class:`CheckpointIOError`
@@ -33,9 +34,6 @@ DETERMINISTIC_ERRNOS = {
     errno.ENAMETOOLONG: ("makes a file name too long", "use a shorter path"),
     errno.ENOTDIR: ("has a file where a directory should be", "remove that file"),
 }
-# DCP's messages for tensors that do not fit the state being loaded (another model).
-_MISMATCH = re.compile(r"Missing key in checkpoint state_dict|Size mismatch between saved|"
-                       r"mismatch sizes|Invalid checkpoint metadata for")
 # A collective that failed because a peer died, hung or dropped its connection.
 _COMMUNICATION = re.compile(r"\bgloo\b|nccl|connection (?:closed|reset|refused)|broken pipe|"
                             r"processgroup|timed out|socket timeout", re.IGNORECASE)
@@ -135,25 +133,30 @@ def is_communication_failure(exc: BaseException) -> bool:
         isinstance(exc, RuntimeError) and bool(_COMMUNICATION.search(str(exc))))
 
 
-def load_error(ref: CheckpointRef, exc: BaseException) -> Exception:
-    """What a failure inside ``dcp.load`` means, on every rank's evidence: tensors that do not
-    fit (another model: :class:`CheckpointError`); a peer that failed (the files verified,
-    so a retry can pass: :class:`CheckpointIOError`); a store that failed to answer (also
-    retried); else the files cannot be read (:class:`CheckpointCorrupt`: the caller falls
-    back to the previous checkpoint)."""
+def load_error(ref: CheckpointRef, exc: BaseException, *, mismatch: str | None,
+               verified: bool) -> Exception:
+    """What a failure inside ``dcp.load`` means, judged by evidence, not by its wording:
+
+    - ``mismatch`` (a tensor this run needs that the checkpoint lacks, or holds with another
+      shape or dtype, found in the checkpoint's own metadata): another model's
+      (:class:`CheckpointError`);
+    - a full disk or a missing permission (:func:`deterministic_errno`):
+      :class:`CheckpointError`, no retry can fix it;
+    - ``verified`` (every file passed its size and checksum): anything else, an exception
+      of the store, of a peer, of torch or of the device, is not the checkpoint's; it is
+      retried (:class:`CheckpointIOError`);
+    - else (a marker without checksums): the files cannot be read (:class:`CheckpointCorrupt`;
+      the caller falls back to the previous checkpoint).
+    """
     where = f"checkpoint {ref.location}"
-    failures = rank_failures(exc)
-    mismatch = next((f for f in failures if _MISMATCH.search(str(f))), None)
     if mismatch is not None:
-        return CheckpointError(f"{where} belongs to another model: its tensors do not fit "
-                               f"({describe_error(mismatch)})")
-    peer = next((f for f in failures if is_communication_failure(f)), None)
-    if peer is not None:
-        return CheckpointIOError(f"{where}: the restore failed with a peer "
-                                 f"({describe_error(peer)}); its files verified, so a retry "
-                                 f"can pass")
-    cause = root_cause(exc)
-    if isinstance(cause, OSError) and not is_deterministic(exc) and not isinstance(
-            cause, FileNotFoundError):
-        return CheckpointIOError(f"{where}: {describe_error(exc)}")
+        return CheckpointError(f"{where} belongs to another model: {mismatch}")
+    if deterministic_errno(exc) is not None:
+        return CheckpointError(f"{where} cannot be read: {describe_error(exc)}")
+    if verified:
+        peer = next((f for f in rank_failures(exc) if is_communication_failure(f)), None)
+        what = "with a peer " if peer is not None else ""
+        return CheckpointIOError(f"{where}: the restore failed {what}"
+                                 f"({describe_error(peer or exc)}); its files passed their "
+                                 f"checksums, so a retry can pass")
     return CheckpointCorrupt(f"{where} cannot be read: {describe_error(exc)}", ref)

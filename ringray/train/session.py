@@ -143,9 +143,10 @@ class TrainingSession:
                             refused=tuple(str(exc) for exc in refused))
         if refused:
             raise CheckpointCorrupt(
-                f"no usable checkpoint at {self.store.location}: {len(refused)} refused, the "
-                f"newest because {refused[0]}; to start over, set checkpoint.resume: false "
-                f"with checkpoint.move_aside: true", refused[0].ref)
+                f"no usable checkpoint at {self.store.location}: {len(refused)} refused, each "
+                f"failing its own files' check, the newest because {refused[0]}; restore "
+                f"them from a copy, or train afresh at another checkpoint.path (nothing "
+                f"there is deleted)", refused[0].ref)
         return Restored(step=self.trainer.step_count, checkpoint=None)
 
     def step(self) -> StepStats:
