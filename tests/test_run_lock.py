@@ -67,6 +67,29 @@ def test_a_lock_whose_process_died_is_taken_over(tmp_path: Path) -> None:
     assert lock.holder().pid == os.getpid()
 
 
+def test_a_lock_whose_pid_now_runs_another_process_is_taken_over(tmp_path: Path) -> None:
+    """Pids are reused (a container's next run is often pid 1 again): a lock whose pid runs,
+    but a process started at another time than the lock's holder, is stale. Here the pid is
+    the live parent's, its recorded start one tick off; the same lock with the parent's true
+    start is live."""
+    parent = os.getppid()
+    start = run_lock_module.process_start(parent)
+    assert start is not None  # Linux: /proc tells
+    boot, tick = start.rsplit(":", 1)
+    path = _write_lock(tmp_path, pid=parent, host=socket.gethostname())
+    record = json.loads(path.read_text())
+    path.write_text(json.dumps({**record, "process_start": start}))
+    with pytest.raises(RunDirInUse, match=f"pid {parent}"):
+        RunLock(tmp_path, job="second").acquire()
+    path.write_text(json.dumps({**record, "process_start": f"{boot}:{int(tick) + 1}"}))
+    lock = RunLock(tmp_path, job="second")
+    note = lock.acquire()
+    assert note is not None and f"pid {parent}" in note and "no longer runs" in note
+    assert lock.holder().pid == os.getpid()
+    assert lock.holder().process_start == run_lock_module.process_start(os.getpid())
+    lock.release()
+
+
 def test_another_hosts_lock_is_stale_only_without_refreshes(tmp_path: Path) -> None:
     _write_lock(tmp_path, pid=1, host="some-other-host", age_seconds=10)
     with pytest.raises(RunDirInUse, match="some-other-host"):

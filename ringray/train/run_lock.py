@@ -5,16 +5,19 @@
     ...                         # was taken over; a heartbeat thread keeps it fresh meanwhile
     lock.release()
 
-The lock is ``<run dir>/ringray.lock``, holding the holder's pid, host, job and start time. It
-appears whole: the content is written to a private file first and hard-linked into place
-(``link`` fails when the name exists, like ``O_EXCL``), so a racer never reads a half-written
-lock. A lock is stale when its holder is gone: on the same host, its pid no longer runs; on
-another host (which cannot be asked), it has not been refreshed for
-:data:`STALE_AFTER_SECONDS`. While held, a daemon thread refreshes it every
-:data:`REFRESH_SECONDS` whatever the holder is doing, so a step longer than the stale limit
-does not make a live lock look abandoned. Taking over a stale lock happens under an
-exclusive ``flock`` of ``ringray.lock.guard``, so of several racing runs exactly one wins and
-none can move away a lock that another has just taken. Two ``ringray train`` of the same spec
+The lock is ``<run dir>/ringray.lock``, holding the holder's pid, host, job and start time,
+and, where ``/proc`` tells it, the process's own start (boot id and start tick), since pids
+are reused (in a container the next run is often pid 1 again). It appears whole: the
+content is written to a private file first and hard-linked into place (``link`` fails when
+the name exists, like ``O_EXCL``), so a racer never reads a half-written lock. A lock is
+stale when its holder is gone: on the same host, its pid no longer runs, or runs another
+process than the one that took the lock (another start); on another host (which cannot be
+asked), it has not been refreshed for :data:`STALE_AFTER_SECONDS`. While held, a daemon
+thread refreshes it every :data:`REFRESH_SECONDS` whatever the holder is doing, so a step
+longer than the stale limit does not make a live lock look abandoned. Taking over a stale
+lock happens under an exclusive ``flock`` of ``ringray.lock.guard``, so of several racing
+runs exactly one wins and none can move away a lock that another has just taken. Two
+``ringray train`` of the same spec
 would otherwise write the same checkpoints and interleave their ``steps.jsonl``.
 """
 
@@ -50,6 +53,7 @@ class LockHolder:
     job: str
     since_unix: float
     refreshed_unix: float  # the lock file's modification time
+    process_start: str | None = None  # process_start(pid) when it took the lock
 
     def describe(self) -> str:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since_unix))
@@ -66,10 +70,29 @@ def _pid_running(pid: int) -> bool:
     return True
 
 
+def process_start(pid: int) -> str | None:
+    """Which process ``pid`` is, as no later process with the same pid can be: this boot's id
+    and the process's start in clock ticks since the boot (``/proc/<pid>/stat``'s 22nd
+    field); ``None`` where ``/proc`` does not say (not Linux, or no such process)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # the command name (field 2) is in parentheses and may hold spaces or parentheses
+    fields = stat[stat.rindex(")") + 2:].split()
+    return f"{boot}:{fields[19]}"  # field 22 overall is the 20th after the name
+
+
 def holder_alive(holder: LockHolder, *, now: float | None = None) -> bool:
     """Whether ``holder`` still holds its lock (see the module's docstring)."""
     if holder.host == socket.gethostname():
-        return _pid_running(holder.pid)
+        if not _pid_running(holder.pid):
+            return False
+        if holder.process_start is None:  # a lock written without it (or not on Linux)
+            return True
+        current = process_start(holder.pid)
+        return current is None or current == holder.process_start
     now = time.time() if now is None else now
     return now - holder.refreshed_unix < STALE_AFTER_SECONDS
 
@@ -94,9 +117,11 @@ class RunLock:
         except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError, OSError):
             return None
         try:
+            start = data.get("process_start")
             return LockHolder(pid=int(data["pid"]), host=str(data["host"]),
                               job=str(data["job"]), since_unix=float(data["since_unix"]),
-                              refreshed_unix=refreshed)
+                              refreshed_unix=refreshed,
+                              process_start=None if start is None else str(start))
         except (KeyError, TypeError, ValueError):
             return None
 
@@ -108,7 +133,8 @@ class RunLock:
                               f"wait for it, stop it, or give this run another run_dir")
 
     def _is_me(self, holder: LockHolder) -> bool:
-        return holder.pid == os.getpid() and holder.host == socket.gethostname()
+        return (holder.pid == os.getpid() and holder.host == socket.gethostname()
+                and holder.process_start in (None, process_start(os.getpid())))
 
     def acquire(self) -> str | None:
         """Take the lock and start its heartbeat; returns a note when a stale lock was taken
@@ -151,7 +177,8 @@ class RunLock:
         """Create the lock file with its content in one step; ``False`` if it exists."""
         private = self.path.with_name(f"{LOCK_NAME}.{socket.gethostname()}-{os.getpid()}")
         private.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                       "job": self.job, "since_unix": time.time()}))
+                                       "job": self.job, "since_unix": time.time(),
+                                       "process_start": process_start(os.getpid())}))
         try:
             os.link(private, self.path)
             return True
