@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 from distributed import run_gloo_ranks
 from ray_cluster import (
@@ -29,7 +30,13 @@ from ray_cluster import (
 )
 from train_cases import changed, rank_run_training, weights_from_checkpoint
 
-from ringray.cluster.driver import find_controller, start_controller
+from ringray.cluster.driver import (
+    ControllerLost,
+    JobChanged,
+    find_controller,
+    follow,
+    start_controller,
+)
 from ringray.cluster.job_options import JobOptions
 from ringray.metrics import MetricsOptions
 
@@ -322,8 +329,21 @@ def test_controller_outlives_its_driver(nodes, local_cluster, tmp_path: Path) ->
     assert driver.returncode == 0, driver.stderr.decode()[-2000:]
 
     assert find_controller("detached") is not None
+    # Another job file under the same name is refused in one line naming what differs
+    # (it printed its own header and followed the first job before: issue 40).
+    other = replace(job, train=changed(options, train={"steps": 40, "seq_len": 128}))
+    with pytest.raises(JobChanged) as info:
+        start_controller(other)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("job 'detached' is running on this "
+                                                       "cluster from another job file")
+    assert "train.steps: 30 → 40; train.seq_len: 64 → 128" in message
     controller, reattached = start_controller(job)  # what `ringray train` does
     assert reattached
     status = finish(controller)
     assert status.state == "finished", status.error
     assert status.step == options.train.steps
+    # A controller that dies while followed ends the follow in one line (not Ray's traceback).
+    ray.kill(controller)
+    with pytest.raises(ControllerLost, match="^the job's controller died .*resumes from it$"):
+        follow(controller, on_status=lambda _: None)

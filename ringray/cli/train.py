@@ -230,6 +230,8 @@ def _run_on_ray(spec: JobSpec, job: JobOptions, *, address: str | None,
 def _follow_on_ray(spec: JobSpec, job: JobOptions, *, address: str | None,
                    source: str) -> None:
     from ringray.cluster.driver import (
+        ControllerLost,
+        JobChanged,
         RayUnavailable,
         connect,
         follow,
@@ -256,7 +258,11 @@ def _follow_on_ray(spec: JobSpec, job: JobOptions, *, address: str | None,
         if note:
             err.print(note, highlight=False)
     # A Ctrl-C or SIGTERM while the controller starts waits until there is one to stop.
-    (controller, reattached), early = _deferring_stop_signals(lambda: start_controller(job))
+    try:
+        (controller, reattached), early = _deferring_stop_signals(
+            lambda: start_controller(job))
+    except JobChanged as exc:
+        fail(str(exc))
     if reattached:
         err.print(f"reattached to the running job {job.name!r}")
     url = job_status(controller).metrics_url
@@ -271,6 +277,8 @@ def _follow_on_ray(spec: JobSpec, job: JobOptions, *, address: str | None,
                 if early:
                     raise _Terminated if early.pop(0) == signal.SIGTERM else KeyboardInterrupt
                 final = follow(controller, on_status=view.update)
+            except ControllerLost as exc:
+                fail(str(exc))
             except KeyboardInterrupt as interrupt:
                 presses = view.interrupt(_signal_of(interrupt))
                 if presses == 1:

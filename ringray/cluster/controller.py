@@ -88,6 +88,10 @@ class JobController:
     def status(self) -> JobStatus:
         return self.record.status()
 
+    def job_options(self) -> JobOptions:
+        """The job this controller runs (a reattaching ``ringray train`` compares its own)."""
+        return self.job
+
     def wait(self, timeout_seconds: float) -> JobStatus:
         """The status once the job has ended, or after ``timeout_seconds``."""
         if self._thread is not None:

@@ -32,7 +32,7 @@ from pathlib import Path
 import ray
 
 from ringray.cluster.controller import JobController
-from ringray.cluster.job_options import JobOptions
+from ringray.cluster.job_options import JobOptions, job_differences
 from ringray.cluster.nodes import HEAD_NODE_RESOURCE
 from ringray.cluster.status import JobStatus
 
@@ -163,6 +163,14 @@ def find_controller(job_name: str):
         return None
 
 
+class JobChanged(ValueError):
+    """A job of this name runs from another job file (one line naming the fields)."""
+
+
+class ControllerLost(RuntimeError):
+    """The job's controller died while it was followed."""
+
+
 def start_controller(job: JobOptions) -> tuple[object, bool]:
     """The job's controller, started (or reattached when one is still running): the handle
     and whether it was a reattachment. A controller of the same name whose job has ended is
@@ -171,6 +179,13 @@ def start_controller(job: JobOptions) -> tuple[object, bool]:
     if existing is not None:
         status: JobStatus = ray.get(existing.status.remote())
         if not status.done:
+            changed = job_differences(ray.get(existing.job_options.remote()), job)
+            if changed:
+                raise JobChanged(
+                    f"job {job.name!r} is running on this cluster from another job file "
+                    f"({'; '.join(changed)}); follow it with the same job file, stop it "
+                    f"(ringray stop {job.name}) and start again, or give this job another "
+                    f"name")
             return existing, True
         ray.kill(existing)
     handle = ray.remote(JobController).options(
@@ -198,9 +213,19 @@ def follow(
     on_status: Callable[[JobStatus], None],
     poll_seconds: float = 0.5,
 ) -> JobStatus:
-    """Call ``on_status`` with the job's status every ``poll_seconds`` until the job ends."""
+    """Call ``on_status`` with the job's status every ``poll_seconds`` until the job ends.
+
+    Raises:
+        ControllerLost: the controller died (its node was lost, or it was killed); one line.
+    """
     while True:
-        status = job_status(controller)
+        try:
+            status = job_status(controller)
+        except ray.exceptions.RayActorError as exc:
+            raise ControllerLost(
+                f"the job's controller died ({type(exc).__name__}: its node was lost or it "
+                f"was killed); the last committed checkpoint stays, and ringray train with "
+                f"the same job file resumes from it") from None
         on_status(status)
         if status.done:
             return status

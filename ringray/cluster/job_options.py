@@ -12,7 +12,7 @@ controller needs resolved (the elastic floor, each worker's Ray resources)::
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Annotated, Literal
 
 from annotated_types import Ge, Gt, MinLen
@@ -242,3 +242,24 @@ class JobOptions:
                     f"cluster.dp_min: {self.dp_min} rings × cp {self.cp} need {need:g} "
                     f"{resource}, but {where} has {have:g}; use a smaller dp"
                 )
+
+
+def job_differences(running: JobOptions, wanted: JobOptions) -> list[str]:
+    """The job-file fields whose values differ between two jobs of the same name, as
+    ``field: running → wanted`` (dotted as in the job file: ``train.steps``,
+    ``cluster.max_failures``); the job file's text itself (``run_spec``) is not compared,
+    so a comment or a reordering is no difference."""
+    found: list[str] = []
+
+    def walk(a: object, b: object, path: str) -> None:
+        if is_dataclass(a) and is_dataclass(b) and type(a) is type(b):
+            for item in fields(a):
+                walk(getattr(a, item.name), getattr(b, item.name),
+                     f"{path}.{item.name}" if path else item.name)
+        elif a != b:
+            found.append(f"{path}: {a!r} → {b!r}")
+
+    for name in ("cluster", "metrics"):
+        walk(getattr(running, name), getattr(wanted, name), name)
+    walk(running.train, wanted.train, "")  # its sections are the job file's top level
+    return found
