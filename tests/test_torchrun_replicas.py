@@ -103,3 +103,34 @@ def test_two_torchrun_replica_groups_and_a_lighthouse_train_in_step(tmp_path: Pa
         (b["loss"], b["grad_norm"]) for b in logs[1]]
     for index in range(2):
         assert (tmp_path / "run" / f"replica-{index}" / "checkpoints").is_dir()
+
+
+class _Joined(Exception):
+    pass
+
+
+def test_torchrun_takes_the_collective_timeout_from_the_job_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torchrun the process group's timeout is the job file's (twice
+    cluster.step_timeout_seconds, as on Ray), not a constant 10 minutes."""
+    import torch.distributed as dist
+
+    import ringray.train.__main__ as entry
+
+    joined: list[float] = []
+
+    def init_process_group(backend, *, timeout):
+        joined.append(timeout.total_seconds())
+        raise _Joined
+
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    for step_timeout, want in ((None, 600.0), (7.5, 15.0)):
+        args = ["--config", str(ROOT / "jobs" / "quickstart.yaml"),
+                "--set", f"run_dir={tmp_path / 'run'}"]
+        if step_timeout is not None:
+            args += ["--set", f"cluster.step_timeout_seconds={step_timeout}"]
+        with pytest.raises(_Joined):
+            entry.main(args)
+        assert joined.pop() == want

@@ -20,6 +20,10 @@ from annotated_types import Ge, Gt, MinLen
 from ringray.metrics import MetricsOptions
 from ringray.train import TrainOptions
 
+# Every collective's timeout, in step timeouts (cluster.step_timeout_seconds): well after the
+# controller's step timeout, so a hang is seen (and reported) by the controller, not as a
+# survivor's collective error; under torchrun, a rank whose peer died fails by itself.
+COLLECTIVE_TIMEOUT_FACTOR = 2
 # Ray's built-in resources that a worker may not ask for by name; others are custom resources.
 _RAY_RESERVED = ("memory", "object_store_memory")
 
@@ -41,7 +45,8 @@ class ClusterOptions:
     max_failures: Annotated[int, Ge(0)] = 3
     """Faults recovered before the job fails (preemptions not counted)."""
     step_timeout_seconds: Annotated[float, Gt(0)] = 300.0
-    """A step (or checkpoint) that takes longer is a hang: recover."""
+    """A step (or checkpoint) that takes longer is a hang: recover. Every collective's
+    timeout is twice this (under torchrun too), so a rank whose peer died fails by itself."""
     startup_timeout_seconds: Annotated[float, Gt(0)] = 120.0
     """Time for workers, process groups and trainers to come up."""
     capacity_wait_seconds: Annotated[float, Ge(0)] = 600.0
@@ -80,6 +85,11 @@ class ClusterOptions:
     never (a lost group's replacement starts its processes when it is needed); true: as
     unset, and refused without replica groups."""
 
+    @property
+    def collective_timeout_seconds(self) -> float:
+        """The process group's timeout: :data:`COLLECTIVE_TIMEOUT_FACTOR` step timeouts (a
+        collective inside a step is never the step's only work)."""
+        return COLLECTIVE_TIMEOUT_FACTOR * self.step_timeout_seconds
     def __post_init__(self) -> None:
         resources = self.worker_resources
         if resources is None:

@@ -46,9 +46,6 @@ from ringray.train.checkpoint import RunPlan
 from ringray.train.replicas import ReplicaMembership
 from ringray.train.session import Restored, Saved
 
-# The ranks' collectives time out well after the controller's step timeout, so a hang is
-# seen (and reported) by the controller, not as a survivor's collective error.
-COLLECTIVE_TIMEOUT_FACTOR = 2
 # A teardown gives the workers this long to shut their servers down before it kills them.
 CLOSE_SECONDS = 2.0
 # The passkey evaluation runs this many cells per step timeout.
@@ -150,8 +147,7 @@ class RayWorkerGroup:
             self.watch.wait(
                 [w.join.remote(host=host, port=port,
                                backend=self.cluster.process_group_backend,
-                               timeout_seconds=COLLECTIVE_TIMEOUT_FACTOR
-                               * self.cluster.step_timeout_seconds)
+                               timeout_seconds=self.cluster.collective_timeout_seconds)
                  for w in self.workers],
                 timeout=timeout, should_stop=self.should_stop,
             )

@@ -145,6 +145,12 @@ class JobSpec(Section):
             pretrained=model.from_pretrained,
         )
 
+    def collective_timeout_seconds(self) -> float:
+        """How long any collective may wait for a peer before it fails
+        (:attr:`ClusterOptions.collective_timeout_seconds`, from ``cluster.step_timeout_seconds``):
+        the same bound under torchrun as on Ray."""
+        return self._section("cluster").collective_timeout_seconds
+
     def job_options(self) -> JobOptions:
         """What the Ray controller runs (``ringray train``): the mesh must be explicit."""
         for field in ("dp", "cp"):

@@ -26,8 +26,9 @@ from ringray.train.options import TrainOptions
 from ringray.train.replicas import ReplicaMembership
 
 
-def _init_distributed() -> None:
-    """Join the process group torchrun describes in the environment (if any)."""
+def _init_distributed(timeout_seconds: float) -> None:
+    """Join the process group torchrun describes in the environment (if any); every
+    collective fails after ``timeout_seconds`` (the job file's, as on Ray)."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
         return
     if torch.cuda.is_available():
@@ -35,7 +36,7 @@ def _init_distributed() -> None:
         backend = "nccl"
     else:
         backend = "gloo"
-    dist.init_process_group(backend, timeout=timedelta(minutes=10))
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_seconds))
 
 
 LIGHTHOUSE_VARIABLE = "TORCHFT_LIGHTHOUSE"
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if replica is not None:
         options = group_run(options, replica.index)
-    _init_distributed()
+    _init_distributed(spec.collective_timeout_seconds())
 
     def write_job_file() -> None:  # as `ringray train` does, once the job has started
         try:
