@@ -31,12 +31,24 @@ from ringray.train.checkpoint import (
     describe_error,
     is_deterministic,
     plan_run,
-    restore_candidates,
 )
 
 
 def _state(value: float) -> dict:
     return {"weights": torch.full((3, 4), value), "step": int(value), "note": f"v{value}"}
+
+
+def _first_verified(store: CheckpointStore, refs, *, refused) -> object:
+    """The newest of ``refs`` that passes ``verify``, each refusal told to ``refused``: how a
+    resume falls back (it then loads the one chosen)."""
+    for ref in refs:
+        try:
+            store.verify(ref)
+        except CheckpointCorrupt as exc:
+            refused(exc)
+            continue
+        return ref
+    return None
 
 
 def _loaded(store: CheckpointStore, ref) -> dict:
@@ -185,7 +197,7 @@ def test_a_truncated_shard_is_refused_naming_the_file(tmp_path: Path) -> None:
     message = str(info.value)
     assert "\n" not in message and shard.name in message and "truncated" in message
     refused = []
-    assert restore_candidates(store, tuple(store.of_lineage()), refused=refused.append) \
+    assert _first_verified(store, tuple(store.of_lineage()), refused=refused.append) \
         .location == older.location
     assert len(refused) == 1 and refused[0].ref.location == newer.location
     assert _loaded(store, older)["note"] == "v1.0"
@@ -197,7 +209,7 @@ def test_a_deleted_metadata_file_is_refused_naming_it(tmp_path: Path) -> None:
     with pytest.raises(CheckpointCorrupt, match=r"\.metadata is missing"):
         store.verify(newer)
     refused = []
-    chosen = restore_candidates(store, tuple(store.of_lineage()), refused=refused.append)
+    chosen = _first_verified(store, tuple(store.of_lineage()), refused=refused.append)
     assert chosen.location == older.location and len(refused) == 1
 
 
@@ -226,7 +238,7 @@ def test_a_shard_changed_in_place_is_refused_naming_the_file(tmp_path: Path) -> 
     message = str(info.value)
     assert "\n" not in message and shard.name in message and "checksum" in message
     refused = []
-    chosen = restore_candidates(store, tuple(store.of_lineage()), refused=refused.append)
+    chosen = _first_verified(store, tuple(store.of_lineage()), refused=refused.append)
     assert chosen.location == older.location
     assert [str(r) for r in refused] == [message]
     store.load(chosen, loaded)
@@ -286,7 +298,7 @@ def test_a_damaged_marker_is_refused_with_its_reason_and_kept_until_superseded(
     plan = plan_run(CheckpointStore(str(tmp_path)), resume=True, move_aside=False)
     assert [r.step for r in plan.restore] == [4, 2] and plan.lineage == "run"
     refused = []
-    chosen = restore_candidates(store, plan.restore, refused=refused.append)
+    chosen = _first_verified(store, plan.restore, refused=refused.append)
     assert chosen.step == 2 and len(refused) == 1
     assert "\n" not in str(refused[0]) and COMPLETE_MARKER in str(refused[0])
     assert Path(damaged.location).name in str(refused[0])

@@ -103,15 +103,6 @@ def test_an_elastic_floor_with_replica_groups_is_one_line(tmp_path) -> None:
         JobOptions(name="r", train=options, cluster=cluster_options("t", dp_min=1))
 
 
-def test_capacity_counts_every_replica_groups_workers(tmp_path) -> None:
-    options = job_options(str(tmp_path), parallel={"dp": 1, "cp": 2, "dp_replicate": 2},
-                          train={"global_batch": 2})
-    job = JobOptions(name="r", train=options, cluster=cluster_options("t"))
-    job.check_capacity({"CPU": 4, "t": 4}, where="here")
-    with pytest.raises(ValueError, match="need 4 CPU, but here has 3"):
-        job.check_capacity({"CPU": 3, "t": 4}, where="here")
-
-
 def test_a_standby_without_replica_groups_is_one_line_and_ray_is_sized_for_the_standby(
         tmp_path) -> None:
     """``cluster.replica_standby: true`` without replica groups was accepted silently; an

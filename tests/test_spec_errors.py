@@ -17,7 +17,6 @@ import ray
 from typer.testing import CliRunner
 
 from ringray.cli import app
-from ringray.spec import parse_job_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = str(ROOT / "jobs/quickstart.yaml")
@@ -154,23 +153,3 @@ def test_the_console_script_prints_one_line(overrides: list[str]) -> None:
     assert result.returncode == 2, result.stderr
     line = _one_error_line(result.stderr)
     assert "is not" in line and ("train.steps" in line or "train.optimizer.lr" in line)
-
-
-def test_check_capacity_shows_the_arithmetic() -> None:
-    """cp × dp against what a cluster that cannot grow holds in total (an embedded Ray)."""
-    spec = parse_job_spec({"parallel": {"dp": 2, "cp": 8}, "train": {"global_batch": 4},
-                           "cluster": {"accelerator": "gpu"}})
-    with pytest.raises(ValueError) as info:
-        spec.job_options().check_capacity({"GPU": 8.0, "CPU": 64.0}, where="this machine")
-    assert str(info.value) == (
-        "parallel.cp: dp × cp = 2 × 8 = 16 workers × GPU: 1 need 16 GPU, but this machine "
-        "has 8; use parallel.cp ≤ 4 (with dp 2) or a larger cluster"
-    )
-    elastic = parse_job_spec({"parallel": {"dp": 2, "cp": 4}, "train": {"global_batch": 4},
-                              "cluster": {"accelerator": "gpu", "dp_min": 1}})
-    elastic.job_options().check_capacity({"GPU": 4.0}, where="this machine")  # dp_min fits
-    cpu = parse_job_spec({"parallel": {"cp": 4},
-                          "cluster": {"worker_resources": {"CPU": 2}}})
-    with pytest.raises(ValueError, match=r"need 8 CPU, but this machine has 4; use "
-                                         r"parallel.cp ≤ 2"):
-        cpu.job_options().check_capacity({"CPU": 4.0}, where="this machine")

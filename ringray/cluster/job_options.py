@@ -234,25 +234,6 @@ class JobOptions:
             "resources": custom,
         }
 
-    def check_capacity(self, available: Mapping[str, float], *, where: str) -> None:
-        """Raise ``ValueError`` if the smallest job allowed (``dp_min × cp`` workers) needs more
-        of a resource than ``available`` holds in total (a cluster that cannot grow: an
-        embedded local Ray, or one without an autoscaler); ``where`` names it."""
-        workers = self.replicas * self.dp_min * self.cp
-        for resource, amount in self.worker_resources.items():
-            need, have = workers * amount, available.get(resource, 0.0)
-            if need > have:
-                fits = int(have // amount) // self.dp_min if amount else 0
-                raise ValueError(
-                    f"parallel.cp: dp × cp = {self.dp_min} × {self.cp} = {workers} workers "
-                    f"× {resource}: {amount:g} need {need:g} {resource}, but {where} has "
-                    f"{have:g}; use parallel.cp ≤ {fits} (with dp {self.dp_min}) or a larger "
-                    f"cluster"
-                    if fits < self.cp else
-                    f"cluster.dp_min: {self.dp_min} rings × cp {self.cp} need {need:g} "
-                    f"{resource}, but {where} has {have:g}; use a smaller dp"
-                )
-
 
 def job_differences(running: JobOptions, wanted: JobOptions) -> list[str]:
     """The job-file fields whose values differ between two jobs of the same name, as

@@ -26,8 +26,8 @@ leaves a "committed" checkpoint with missing files.
 
 **Refusing corrupt checkpoints.** :meth:`CheckpointStore.verify` compares the files with the
 marker's sizes and checksums: a missing, truncated or changed file raises
-:class:`CheckpointCorrupt` naming it, and :func:`restore_candidates` lets a caller fall back to
-the previous checkpoint; :meth:`CheckpointStore.load` does the same check first (each rank
+:class:`CheckpointCorrupt` naming it, and the session's restore falls back to the previous
+checkpoint; :meth:`CheckpointStore.load` does the same check first (each rank
 hashing a share of the files). A marker that is there but unreadable is a damaged checkpoint:
 a resume tries it, refuses it with the reason, and it is not pruned until a checkpoint of its
 step or a later one commits. Markers of format 2 (sizes, no checksums) still load; a marker of
@@ -95,7 +95,7 @@ __all__ = [
     "CheckpointIOError", "CheckpointRef", "CheckpointStore", "CheckpointWriteError",
     "LocationInUse", "RunPlan", "check_new_run", "describe_error", "deterministic_errno",
     "is_communication_failure", "is_deterministic", "new_lineage", "plan_run",
-    "restore_candidates", "root_cause",
+    "root_cause",
 ]
 
 
@@ -246,7 +246,7 @@ class CheckpointStore:
 
     def latest(self, lineage: str | None = None) -> CheckpointRef | None:
         """The newest committed checkpoint of ``lineage`` (default: the newest lineage at the
-        location), or ``None``. Not verified: see :func:`restore_candidates`."""
+        location), or ``None``. Not verified: see :meth:`verify`."""
         lineage = lineage or self.newest_lineage()
         if lineage is None:
             return None
@@ -759,19 +759,3 @@ def check_new_run(store: CheckpointStore, *, move_aside: bool) -> bool:
             f"checkpoint.path a new place, or set checkpoint.move_aside: true"
         )
     return bool(present)
-
-
-def restore_candidates(
-    store: CheckpointStore, refs: tuple[CheckpointRef, ...],
-    *, refused: Callable[[CheckpointCorrupt], None],
-) -> CheckpointRef | None:
-    """The newest of ``refs`` (newest first) that passes :meth:`CheckpointStore.verify`;
-    ``refused`` is told about each one that does not (for the run's log)."""
-    for ref in refs:
-        try:
-            store.verify(ref)
-        except CheckpointCorrupt as exc:
-            refused(exc)
-            continue
-        return ref
-    return None

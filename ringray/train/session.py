@@ -116,11 +116,6 @@ class TrainingSession:
     def step_count(self) -> int:
         return self.trainer.step_count
 
-    @property
-    def is_writer(self) -> bool:
-        """Whether this rank writes the run directory under torchrun (rank 0)."""
-        return self.trainer.mesh.rank == 0
-
     def restore(self, *, on_refused: Callable[[str], None] | None = None) -> Restored:
         """Load the newest restore candidate that verifies and loads, falling back past
         corrupt ones (each refusal is one line, also passed to ``on_refused`` as it happens).
