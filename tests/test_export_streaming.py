@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from ringray.model.safetensors_io import write_safetensors
+
 ROOT = Path(__file__).resolve().parents[1]
 
 _CHILD = r"""
@@ -86,3 +88,18 @@ def test_export_holds_one_shard_not_the_model(tmp_path: Path) -> None:
     assert torch.equal(hf["model.layers.7.mlp.down_proj.weight"],
                        want["layers.7.feed_forward.w2.weight"])
     assert sum(t.numel() for t in hf.values()) * 4 == model_bytes
+
+
+def test_exported_files_have_the_permissions_of_any_new_file(tmp_path: Path) -> None:
+    """safetensors' save_file makes its file 0600, so an inference service running as
+    another user could not read an export whose other files are 0644 (issue 40): every
+    file written has the mode a new file gets here (0644 under the usual umask)."""
+    reference = tmp_path / "any-new-file"
+    reference.write_text("")
+    want = reference.stat().st_mode & 0o777
+    tensors = {f"w{i}": torch.full((64, 64), float(i)) for i in range(3)}
+    for max_shard_bytes in (10**9, 64 * 64 * 4):  # one file, then a shard per tensor
+        out = tmp_path / f"out-{max_shard_bytes}"
+        names = write_safetensors(tensors, str(out), max_shard_bytes=max_shard_bytes)
+        assert {name: (out / name).stat().st_mode & 0o777 for name in names} == \
+            dict.fromkeys(names, want)

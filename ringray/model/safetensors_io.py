@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import posixpath
 import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import fsspec
 import safetensors.torch
@@ -268,6 +270,9 @@ def write_safetensors(
         target = f"{path.rstrip('/')}/{file}"
         if isinstance(fs, LocalFileSystem):  # written from the tensors' memory, no copy
             safetensors.torch.save_file(part, target, metadata={"format": "pt"})
+            # save_file creates its file 0600; give it what any new file gets (0644 under
+            # the usual umask), so a service running as another user can read the export
+            os.chmod(target, 0o666 & ~_umask())
         else:  # the file's bytes are built in memory, then uploaded
             data = safetensors.torch.save(part, metadata={"format": "pt"})
             with fs.open(target, "wb") as f:
@@ -282,6 +287,19 @@ def write_safetensors(
             json.dump(index, f, indent=2, sort_keys=True)
         names.append(INDEX_FILE)
     return names
+
+
+def _umask() -> int:
+    """This process's umask (Linux tells it in /proc; elsewhere it is set and put back)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def shard_names(sizes: Mapping[str, int], max_shard_bytes: int) -> list[list[str]]:
