@@ -84,6 +84,11 @@ def test_train_from_pretrained_then_export_loads_in_transformers(tmp_path: Path)
     steps = (tmp_path / "run" / "steps.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in steps] == [1, 2, 3]
 
+    # The run keeps the source's config.json and tokenizer: it exports once the source is
+    # gone (issue 40: the run could never be exported again).
+    assert {p.name for p in (tmp_path / "run" / "pretrained").iterdir()} >= {
+        "config.json", "tokenizer.json", "tokenizer_config.json"}
+    source = source.rename(tmp_path / "moved-away")
     out = tmp_path / "exported"
     exported = subprocess.run([str(BIN / "ringray"), "export", str(tmp_path / "run"),
                                "--hf", str(out)], cwd=ROOT, capture_output=True, text=True,
@@ -97,7 +102,8 @@ def test_train_from_pretrained_then_export_loads_in_transformers(tmp_path: Path)
     assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"]
     assert config["max_position_embeddings"] == 256  # the source's, longer than seq_len
 
-    options = load_job_spec(spec_path, check_paths=False).train_options()
+    options = load_job_spec(spec_path, [f"model.from_pretrained={source}"],
+                            check_paths=False).train_options()
     model = Transformer(options.model)
     store = CheckpointStore(options.checkpoint_location)
     store.load(store.latest(), {"model": model.state_dict()})

@@ -168,6 +168,14 @@ class JobRecord:
         except OSError as exc:
             self.event(f"warning: cannot write {self.run_dir.path}/job.yaml ({exc.strerror}); "
                        f"`ringray resume` needs it (train with the same spec instead)")
+        source = self.job.train.pretrained
+        if source is not None:
+            try:
+                self.run_dir.keep_pretrained(source)
+            except OSError as exc:
+                self.event(f"warning: cannot keep {source}'s config.json and tokenizer in "
+                           f"{self.run_dir.path}/pretrained ({exc}); `ringray export` needs "
+                           f"them once {source} is gone")
 
     # ----------------------------------------------------------------- training
     def replica_lost(self, index: int, *, reason: str, detail: str, left: int) -> None:

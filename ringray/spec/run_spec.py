@@ -27,8 +27,8 @@ import yaml
 from ringray.spec.errors import load_yaml
 from ringray.spec.load import load_job_spec
 from ringray.spec.schema import JobSpec, JobSpecError
+from ringray.train.run_dir import PRETRAINED_COPY, write_run_spec_file
 from ringray.train.run_dir import RUN_SPEC as RUN_SPEC_NAME
-from ringray.train.run_dir import write_run_spec_file
 
 _HEADER = ("# The job as run by `ringray train` (overrides applied); `ringray resume RUN` and "
            "`ringray export RUN` read it\n# from wherever RUN is now (run_dir below is where it "
@@ -68,8 +68,15 @@ def write_run_spec(spec: JobSpec, *, run_dir: str) -> Path:
 def relocation(data: dict, run_dir: Path) -> dict[str, str]:
     """The fields of a job.yaml's ``data`` that change when its run is read from ``run_dir``
     (absolute), by dotted name: ``run_dir``, and ``checkpoint.path`` when it lies inside the
-    recorded run_dir."""
+    recorded run_dir; ``model.from_pretrained`` when the source is gone and the run kept its
+    config.json and tokenizer (``RUN/pretrained``)."""
     moved = {"run_dir": str(run_dir)}
+    model = data.get("model")
+    source = model.get("from_pretrained") if isinstance(model, dict) else None
+    kept = run_dir / PRETRAINED_COPY
+    if (isinstance(source, str) and "://" not in source
+            and not (Path(source) / "config.json").is_file() and (kept / "config.json").is_file()):
+        moved["model.from_pretrained"] = str(kept)  # the source is gone: the run's own copy
     recorded = data.get("run_dir")
     checkpoint = data.get("checkpoint")
     location = checkpoint.get("path") if isinstance(checkpoint, dict) else None

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from ringray.train.host_memory import release_freed_memory
 from ringray.train.options import TrainOptions
 from ringray.train.replicas import ReplicaMembership
+from ringray.train.run_dir import keep_pretrained_files
 
 
 def _init_distributed(timeout_seconds: float) -> None:
@@ -141,6 +142,13 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as exc:
             print(f"warning: cannot write {options.run_dir}/job.yaml ({exc.strerror}); "
                   f"`ringray export` and `ringray resume` need it", flush=True)
+        if options.pretrained is not None:
+            try:
+                keep_pretrained_files(options.run_dir, options.pretrained)
+            except OSError as exc:
+                print(f"warning: cannot keep {options.pretrained}'s config.json and tokenizer "
+                      f"in {options.run_dir}/pretrained ({exc}); `ringray export` needs them "
+                      f"once {options.pretrained} is gone", flush=True)
 
     try:
         run_training(options, log=lambda line: print(line, flush=True),

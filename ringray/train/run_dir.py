@@ -20,6 +20,8 @@ import json
 import os
 from pathlib import Path
 
+import fsspec
+
 from ringray.data import PasskeyReport
 from ringray.train.run_lock import RunLock
 from ringray.train.step_stats import StepStats
@@ -39,6 +41,36 @@ def write_run_spec_file(run_dir: str | Path, text: str) -> Path:
     partial.write_text(text)
     os.replace(partial, path)
     return path
+
+
+PRETRAINED_COPY = "pretrained"
+"""``RUN/pretrained``: the ``model.from_pretrained`` checkpoint's config.json and tokenizer
+files as the run used them (not its weights), so the run can be exported once the source is
+gone (:func:`ringray.spec.run_spec.relocation` reads the run from it then)."""
+
+
+def keep_pretrained_files(run_dir: str | Path, source: str) -> list[str]:
+    """Copy ``source``'s config.json and tokenizer files (those present) into
+    ``RUN/pretrained``, each written aside and moved into place; returns their names.
+
+    Raises:
+        OSError: ``source`` or the run directory cannot be read or written.
+    """
+    from ringray.model.hf import TOKENIZER_FILES
+
+    fs, root = fsspec.core.url_to_fs(source)
+    target = Path(run_dir) / PRETRAINED_COPY
+    target.mkdir(parents=True, exist_ok=True)
+    kept = []
+    for name in ("config.json", *TOKENIZER_FILES):
+        path = f"{root.rstrip('/')}/{name}"
+        if not fs.exists(path):
+            continue
+        partial = target / f".{name}.{os.getpid()}.partial"
+        partial.write_bytes(fs.cat_file(path))
+        os.replace(partial, target / name)
+        kept.append(name)
+    return kept
 
 
 class StepsLog:
@@ -124,6 +156,10 @@ class RunDirectory:
     def write_run_spec(self, text: str) -> Path:
         """``job.yaml`` (:func:`write_run_spec_file`)."""
         return write_run_spec_file(self.path, text)
+
+    def keep_pretrained(self, source: str) -> list[str]:
+        """``RUN/pretrained`` (:func:`keep_pretrained_files`)."""
+        return keep_pretrained_files(self.path, source)
 
     def record_passkey(self, report: PasskeyReport) -> None:
         (self.path / PASSKEY_REPORT).write_text(json.dumps(report.to_dict(), indent=2))
