@@ -102,7 +102,7 @@ def test_a_resume_below_its_checkpoints_step_is_refused(tmp_path: Path) -> None:
     assert result.returncode == 2, result.stderr[-3000:]
     line = _one_line(result.stderr)
     assert "train.steps: 10 is below step 20 of the checkpoint this run resumes" in line
-    assert "give --steps 20 or more" in line
+    assert "set train.steps to 20 or more (--steps with ringray train)" in line
 
 
 def test_an_embedded_ray_that_does_not_start_is_one_line(tmp_path: Path, monkeypatch) -> None:

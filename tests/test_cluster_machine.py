@@ -41,6 +41,7 @@ from ringray.cluster.states import (
 from ringray.metrics import MetricsOptions
 from ringray.train import CheckpointRef, StepStats
 from ringray.train.checkpoint import RunPlan
+from ringray.train.policy import steps_below_checkpoint
 from ringray.train.session import Restored, Saved
 
 EVENTS = ("stop", "worker_death", "node_death", "hang", "drain", "checkpoint_failure")
@@ -592,8 +593,9 @@ def test_a_restored_step_past_the_jobs_steps_fails_in_one_line(tmp_path: Path) -
     h = _harness(tmp_path, steps=3)
     h.workers.saved.append(CheckpointRef(step=4, location="/ck/step_4", lineage="run-1"))
     state = _until(h, Placing(), Failed)
-    assert state.error == ("train.steps: 3 is below the step of the checkpoint restored (4, "
-                           "/ck/step_4); set train.steps to 4 or more to continue it")
+    assert state.error == steps_below_checkpoint(h.machine.job.train, h.workers.saved[-1])
+    assert state.error.startswith("train.steps: 3 is below step 4 of the checkpoint this run "
+                                  "resumes (/ck/step_4)")
     assert "step" not in h.workers.calls
 
 

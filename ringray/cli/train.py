@@ -112,6 +112,7 @@ def _check_resume_step(job: JobOptions) -> None:
     """Before Ray starts: a resumed run whose newest checkpoint is past ``train.steps`` would
     restore it, train nothing and report "finished at step 40/30"; it is refused instead."""
     from ringray.train.checkpoint import CheckpointStore
+    from ringray.train.policy import steps_below_checkpoint
 
     options = job.train
     if not options.checkpoint.resume:
@@ -120,10 +121,9 @@ def _check_resume_step(job: JobOptions) -> None:
         newest = CheckpointStore(options.checkpoint_location).latest()
     except (OSError, ValueError, ImportError):  # the controller reports the location itself
         return
-    if newest is not None and newest.step > options.train.steps:
-        fail(f"train.steps: {options.train.steps} is below step {newest.step} of the checkpoint "
-             f"this run resumes ({newest.location}); give --steps {newest.step} or more, or "
-             f"a new run_dir to train afresh")
+    refusal = steps_below_checkpoint(options, newest)
+    if refusal is not None:
+        fail(refusal)
 
 
 def _without_memory_check(job: JobOptions) -> JobOptions:

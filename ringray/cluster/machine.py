@@ -63,6 +63,7 @@ from ringray.cluster.states import (
 from ringray.data import PasskeyReport
 from ringray.train import StepStats, TrainOptions
 from ringray.train.checkpoint import RunPlan
+from ringray.train.policy import evaluation_due, final_checkpoint_due, steps_below_checkpoint
 from ringray.train.session import Restored, Saved, checkpoint_due
 
 
@@ -259,11 +260,9 @@ class JobMachine:
             return self._fail(str(exc))
         for why in restored.refused:
             self.record.event(f"refused {why}; falling back to the previous checkpoint")
-        if restored.step > self.total_steps:
-            return self._fail(
-                f"train.steps: {self.total_steps} is below the step of the checkpoint restored "
-                f"({restored.step}, {restored.checkpoint.location}); set train.steps to "
-                f"{restored.step} or more to continue it")
+        refusal = steps_below_checkpoint(self.job.train, restored.checkpoint)
+        if refusal is not None:
+            return self._fail(refusal)
         self.step_count = restored.step
         self.saved_step = restored.checkpoint.step if restored.checkpoint else None
         self.larger_since = None
@@ -275,9 +274,9 @@ class JobMachine:
         drain = self.workers.take_drain()
         if drain is not None:
             return self._on_drain(drain)
+        if final_checkpoint_due(self.step_count, self.saved_step, self.job.train):
+            return Checkpointing(then=Evaluate())
         if self.step_count >= self.total_steps:
-            if self.saved_step != self.step_count:
-                return Checkpointing(then=Evaluate())
             return Evaluating()
         try:
             if self.clock() - self._polled_at >= self.job.cluster.poll_seconds:
@@ -389,7 +388,7 @@ class JobMachine:
     # ----------------------------------------------------------------- evaluating
     def _evaluate(self, state: Evaluating) -> State:
         passkey = self.job.train.eval
-        if not passkey.passkey_lengths:
+        if not evaluation_due(self.job.train):
             self._teardown()
             return Finished()
         self.record.event(f"passkey retrieval at lengths {list(passkey.passkey_lengths)}")

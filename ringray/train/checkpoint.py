@@ -84,6 +84,7 @@ from ringray.train.checkpoint_errors import (
 from ringray.train.checkpoint_ref import LEGACY_LINEAGE, CheckpointRef
 from ringray.train.checksums import ChecksummingFileSystem, FileChecksum, file_checksum
 from ringray.train.collective import distributed, is_rank0, on_rank0
+from ringray.train.policy import model_config_differences
 
 COMPLETE_MARKER = "ringray-complete.json"
 MARKER_FORMAT = 3  # 3: "crc32c" per file; 2: sizes only ("files"); 1: no lineage
@@ -709,10 +710,16 @@ def check_model_config(store: CheckpointStore, ref: CheckpointRef, current: dict
     saved = store.marker(ref).get("model_config")
     if saved is None:
         return
-    changed = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
-    if changed:
-        detail = ", ".join(f"{k}: {saved.get(k)!r} in the checkpoint, {current.get(k)!r} "
-                           f"now" for k in changed)
+    raise_if_other_model(ref, saved, current, remedy=remedy)
+
+
+def raise_if_other_model(ref: CheckpointRef, saved: dict, current: dict, *,
+                         remedy: str) -> None:
+    """The model-config check, in its one wording (:func:`model_config_differences`):
+    :class:`CheckpointError` naming each field that differs and both values, then
+    ``remedy``."""
+    detail = model_config_differences(saved, current)
+    if detail:
         raise CheckpointError(f"model: checkpoint {ref.location} was trained with a different "
                               f"model ({detail}); {remedy}")
 

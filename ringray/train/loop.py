@@ -20,6 +20,7 @@ from ringray.data import PasskeyReport
 from ringray.train.checkpoint import CheckpointRef
 from ringray.train.collective import is_rank0, on_rank0, world_size
 from ringray.train.options import TrainOptions
+from ringray.train.policy import evaluation_due, final_checkpoint_due, steps_below_checkpoint
 from ringray.train.replicas import ReplicaMembership, ReplicaSync
 from ringray.train.run_dir import RunDirectory
 from ringray.train.session import Saved, TrainingSession, checkpoint_due, plan_session
@@ -106,13 +107,11 @@ def _run(options: TrainOptions, run_dir: RunDirectory | None, *, stop_after: int
             for moved in run_dir.moved_aside(run.moved_aside_to):
                 say(f"moved the earlier run's log aside to {moved}")
     newest = run.restore[0] if run.restore else None  # every rank holds rank 0's plan
-    if newest is not None and newest.step > options.train.steps:
+    refusal = steps_below_checkpoint(options, newest)
+    if refusal is not None:
         # Refused alike on every rank, before a model is built or job.yaml rewritten (as
         # `ringray train` refuses it before Ray starts).
-        raise ValueError(
-            f"train.steps: {options.train.steps} is below step {newest.step} of the checkpoint "
-            f"this run resumes ({newest.location}); set train.steps to {newest.step} or more, "
-            f"or give a new run_dir to train afresh")
+        raise ValueError(refusal)
     session = TrainingSession(options, run,
                               replicas=ReplicaSync(replica) if replica is not None else None)
     try:
@@ -173,11 +172,12 @@ def _train(options: TrainOptions, run_dir: RunDirectory | None, session: Trainin
             say(format_step(last_stats, train.steps))
         if checkpoint_due(step, options):
             saved = _saved(session.checkpoint(), say)
-    if stop_after is None and (saved is None or saved.step != session.step_count):
-        saved = _saved(session.checkpoint(), say)  # a run resumed at or past its last step
+    if stop_after is None and final_checkpoint_due(
+            session.step_count, saved.step if saved is not None else None, options):
+        saved = _saved(session.checkpoint(), say)  # a run resumed at its last step too
 
     passkey = None
-    if stop_after is None and options.eval.passkey_lengths:
+    if stop_after is None and evaluation_due(options):
         say(f"passkey retrieval at lengths {list(options.eval.passkey_lengths)} ...")
         passkey = session.evaluate()
         if run_dir is not None:

@@ -75,6 +75,7 @@ from ringray.train.checkpoint import (
     CheckpointRef,
     CheckpointStore,
     check_model_config,
+    raise_if_other_model,
 )
 from ringray.train.collective import world_size
 from ringray.train.materialize import build_model
@@ -545,13 +546,15 @@ class Trainer:
         return store.save(self.step_count, self.state_dict(), keep=self.options.checkpoint.keep,
                           extra={"model_config": self.options.model.to_dict()})
 
+    _OTHER_MODEL_REMEDY = ("start a new run (another checkpoint.path) or restore the "
+                           "model's settings")
+
     def check_model_config(self, store: CheckpointStore, ref: CheckpointRef) -> None:
         """Raise :class:`CheckpointError` (one line naming the fields and both values) if
         ``ref`` was trained with another model: before any tensor is read, so a changed shape
         is reported as such rather than as a tensor that does not fit."""
         check_model_config(store, ref, self.options.model.to_dict(),
-                           remedy="start a new run (another checkpoint.path) or restore the "
-                                  "model's settings")
+                           remedy=self._OTHER_MODEL_REMEDY)
 
     def load_checkpoint(self, store: CheckpointStore, ref: CheckpointRef) -> None:
         """Restore weights, optimizer, schedule position, loader position and RNG state.
@@ -564,13 +567,9 @@ class Trainer:
         self.check_model_config(store, ref)
         state = self.state_dict()
         store.load(ref, state)
-        saved_config, config = json.loads(state["model_config"]), self.options.model.to_dict()
-        if saved_config != config:  # checkpoints whose marker has no config
-            changed = sorted(k for k in saved_config if saved_config[k] != config.get(k))
-            raise CheckpointError(
-                f"model: checkpoint {ref.location} was trained with a different model "
-                f"(fields that differ: {changed})"
-            )
+        # A marker without the config (older checkpoints): the same check on the state's copy
+        raise_if_other_model(ref, json.loads(state["model_config"]),
+                             self.options.model.to_dict(), remedy=self._OTHER_MODEL_REMEDY)
         self.load_state_dict(state)
 
     def load_state_dict(self, state: dict) -> None:
