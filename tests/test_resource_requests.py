@@ -56,3 +56,27 @@ def test_one_job_ending_leaves_the_others_request_standing(local_cluster, tmp_pa
         assert _standing_request() == []
     finally:
         ray.kill(resource_requests())
+
+
+def test_a_job_of_replica_groups_asks_for_every_group_and_its_standby(local_cluster,
+                                                                     tmp_path) -> None:
+    """It asked for one group's workers (dp × cp) before: a cluster that scaled to that
+    request could never start the other groups."""
+    from ringray.cluster.replica_groups import ReplicatedWorkerGroup
+
+    job = JobOptions(name="reqr", train=job_options(
+        str(tmp_path / "reqr"), parallel={"cp": 2, "dp": 1, "dp_replicate": 2},
+        train={"global_batch": 2}),
+        cluster=cluster_options("slot_reqr", request_resources=True),
+        metrics=MetricsOptions(port=None))
+    group = ReplicatedWorkerGroup(job, JobRecord(job, tmp_path / "reqr", metrics=None),
+                                  should_stop=lambda: False)
+    try:
+        group.ask_for_full_size()
+        # two groups of 1 × 2 workers, and the standby group's 2 (cluster.replica_standby)
+        assert _standing_request() == [{"CPU": 1.0, "slot_reqr": 1.0}] * 6
+        group.withdraw_request()
+        assert _standing_request() == []
+    finally:
+        group.close()
+        ray.kill(resource_requests())

@@ -125,8 +125,7 @@ class JobController:
         finally:
             try:
                 self.workers.withdraw_request()
-                if isinstance(self.workers, ReplicatedWorkerGroup):
-                    self.workers.close()  # its Lighthouse
+                self.workers.close()  # what outlives the workers (a Lighthouse)
             except Exception as exc:  # the job has ended either way
                 self.record.event(f"withdrawing the autoscaler request failed: {exc}", exc=exc)
             self.record.run_dir.close()

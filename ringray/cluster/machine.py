@@ -78,6 +78,9 @@ class WorkerGroup(Protocol):
     def ask_for_full_size(self) -> None:
         """Ask the autoscaler for the job's full size (when the job allows it)."""
 
+    def withdraw_request(self) -> None:
+        """The job has ended: its autoscaler request goes (other jobs' stand)."""
+
     def start(self, plan: PlacementPlan) -> None:
         """Create the workers where ``plan`` puts them and form their process group."""
 
@@ -111,6 +114,10 @@ class WorkerGroup(Protocol):
 
     def teardown(self) -> None:
         """Kill every worker and free their resources (problems are recorded as events)."""
+
+    def close(self) -> None:
+        """The job has ended: after the last teardown, release what outlives the workers
+        (a replica group's Lighthouse; nothing for one group of workers)."""
 
 
 class JobMachine:

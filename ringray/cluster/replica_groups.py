@@ -63,7 +63,13 @@ from ringray.cluster.placement import (
 )
 from ringray.cluster.policy import Drain, Failure, FailureKind
 from ringray.cluster.record import JobRecord
-from ringray.cluster.worker_group import CLOSE_SECONDS, RayWorkerGroup
+from ringray.cluster.worker_group import (
+    CLOSE_SECONDS,
+    RayWorkerGroup,
+    plan_rings,
+    request_full_size,
+    withdraw_full_size,
+)
 from ringray.data import PasskeyReport
 from ringray.train import StepStats, TrainOptions
 from ringray.train.checkpoint import RunPlan
@@ -240,8 +246,8 @@ class ReplicatedWorkerGroup:
         """``dp_replicate`` × dp rings in one plan (dp: the largest of ``dp_choices`` that
         fits), so that rings spread over the failure domains together."""
         try:
-            plan = RayWorkerGroup(self.job, self.record, should_stop=self.should_stop).plan(
-                tuple(dp * self.count for dp in dp_choices), avoid=avoid)
+            plan = plan_rings(self.job, tuple(dp * self.count for dp in dp_choices),
+                              avoid=avoid)
         except PlacementError as exc:
             dp, cp = min(dp_choices), self.job.cp
             total = self._live_slots(avoid)
@@ -274,10 +280,10 @@ class ReplicatedWorkerGroup:
             return 0
 
     def ask_for_full_size(self) -> None:
-        RayWorkerGroup(self.job, self.record, should_stop=self.should_stop).ask_for_full_size()
+        request_full_size(self.job)
 
     def withdraw_request(self) -> None:
-        RayWorkerGroup(self.job, self.record, should_stop=self.should_stop).withdraw_request()
+        withdraw_full_size(self.job)
 
     # ----------------------------------------------------------------- starting
     def start(self, plan: PlacementPlan) -> None:

@@ -52,6 +52,53 @@ CLOSE_SECONDS = 2.0
 _EVAL_CELLS_PER_TIMEOUT = 8
 
 
+def plan_rings(job: JobOptions, dp_choices: tuple[int, ...], *,
+               avoid: frozenset[str]) -> PlacementPlan:
+    """The placement of ``dp`` rings of ``job.cp`` workers on the live nodes (those in
+    ``avoid`` left out), dp the largest of ``dp_choices`` that fits (raises
+    ``PlacementError`` when none does): one group of workers, or every replica group's
+    rings together."""
+    cluster = job.cluster
+    nodes = schedulable_nodes(worker_resources=job.worker_resources, avoid=set(avoid))
+    bandwidths = LinkBandwidths(**{
+        name: value for name, value in (
+            ("intra_node_gbps", cluster.intra_node_gbps),
+            ("inter_node_gbps", cluster.inter_node_gbps),
+        ) if value is not None
+    })
+    return plan_placement(
+        nodes, cp=job.cp, dp_options=dp_choices, failure_domain=cluster.failure_domain,
+        bandwidths=bandwidths, kv_block_bytes=_kv_block_bytes(job), ulysses=job.ulysses,
+    )
+
+
+def _kv_block_bytes(job: JobOptions) -> int:
+    """Bytes of the K/V block one rank passes per layer and ring step, at the target dp.
+    With Ulysses a ring rank holds its member's chunk (``ulysses`` times the tokens) for
+    1/ulysses of the kv heads, repeated first when ulysses exceeds them: the same bytes,
+    times the repeat."""
+    model, train = job.train.model, job.train.train
+    element = 2 if job.cluster.accelerator == "gpu" else 4
+    local_batch = max(1, train.global_batch // (job.dp_max * job.replicas))
+    repeat = max(1, job.ulysses // model.n_kv_heads)
+    return (2 * local_batch * (train.seq_len // job.cp) * model.n_kv_heads * repeat
+            * model.head_dim * element)
+
+
+def request_full_size(job: JobOptions) -> None:
+    """Ask the autoscaler for every worker the job wants at its full size (every replica
+    group's and the standby's: ``JobOptions.workers_wanted``), when the job allows it."""
+    if job.cluster.request_resources:
+        full_size = [job.worker_resources] * job.workers_wanted
+        ray.get(resource_requests().set.remote(job.name, full_size))
+
+
+def withdraw_full_size(job: JobOptions) -> None:
+    """The job has ended: its request goes; other jobs' requests stand."""
+    if job.cluster.request_resources:
+        ray.get(resource_requests().withdraw.remote(job.name))
+
+
 class RayWorkerGroup:
     """The current workers of one job (none between a teardown and the next start)."""
 
@@ -72,18 +119,7 @@ class RayWorkerGroup:
 
     # ----------------------------------------------------------------- placement
     def plan(self, dp_choices: tuple[int, ...], *, avoid: frozenset[str]) -> PlacementPlan:
-        nodes = schedulable_nodes(worker_resources=self.job.worker_resources, avoid=set(avoid))
-        bandwidths = LinkBandwidths(**{
-            name: value for name, value in (
-                ("intra_node_gbps", self.cluster.intra_node_gbps),
-                ("inter_node_gbps", self.cluster.inter_node_gbps),
-            ) if value is not None
-        })
-        return plan_placement(
-            nodes, cp=self.job.cp, dp_options=dp_choices,
-            failure_domain=self.cluster.failure_domain, bandwidths=bandwidths,
-            kv_block_bytes=self._kv_block_bytes(), ulysses=self.job.ulysses,
-        )
+        return plan_rings(self.job, dp_choices, avoid=avoid)
 
     def feasible_dp(self, dp_choices: tuple[int, ...], *, avoid: frozenset[str]) -> int:
         try:
@@ -91,27 +127,14 @@ class RayWorkerGroup:
         except PlacementError:
             return 0
 
-    def _kv_block_bytes(self) -> int:
-        """Bytes of the K/V block one rank passes per layer and ring step, at the target dp.
-        With Ulysses a ring rank holds its member's chunk (``ulysses`` times the tokens) for
-        1/ulysses of the kv heads, repeated first when ulysses exceeds them: the same bytes,
-        times the repeat."""
-        model, train = self.job.train.model, self.job.train.train
-        element = 2 if self.cluster.accelerator == "gpu" else 4
-        local_batch = max(1, train.global_batch // self.job.dp_max)
-        repeat = max(1, self.job.ulysses // model.n_kv_heads)
-        return (2 * local_batch * (train.seq_len // self.job.cp) * model.n_kv_heads * repeat
-                * model.head_dim * element)
-
     def ask_for_full_size(self) -> None:
-        if self.cluster.request_resources:
-            full_size = [self.job.worker_resources] * (self.job.dp_max * self.job.cp)
-            ray.get(resource_requests().set.remote(self.job.name, full_size))
+        request_full_size(self.job)
 
     def withdraw_request(self) -> None:
-        """The job has ended: its request goes; other jobs' requests stand."""
-        if self.cluster.request_resources:
-            ray.get(resource_requests().withdraw.remote(self.job.name))
+        withdraw_full_size(self.job)
+
+    def close(self) -> None:
+        """Nothing outlives this group's workers (:meth:`teardown` frees them)."""
 
     # ----------------------------------------------------------------- starting
     def start(self, plan: PlacementPlan) -> None:
