@@ -1,8 +1,9 @@
 """The chunked cross-entropy is the full one, without the full logits.
 
 - :func:`chunked_cross_entropy_sum` against torch's ``F.cross_entropy`` on the whole
-  float32 logits: the loss and the gradients of the hidden states and of the weight, at
-  1e-6, with ignored labels and a loss mask, for chunks of 1, 7 (which does not divide the
+  float32 logits: the loss and the gradients of the hidden states and of the weight, within
+  the float32 summation bound of each element (2·n·eps·Σ|terms|), with ignored labels and a
+  loss mask, for chunks of 1, 7 (which does not divide the
   74 tokens), 74 and more than 74 tokens.
 - The model's ``forward(labels=...)`` against ``F.cross_entropy`` of its logits, with each
   activation checkpointing mode: loss and every parameter's gradient at 1e-6.
@@ -54,9 +55,28 @@ def test_chunked_loss_and_gradients_equal_the_full_cross_entropy(chunk_tokens: i
                                 ignore_index=IGNORE_LABEL, reduction="sum")
     want = torch.autograd.grad(want_loss, (hidden, weight))
     assert (labels == IGNORE_LABEL).sum() > 10 and want_loss > 0
-    torch.testing.assert_close(loss, want_loss, **TOL)
-    torch.testing.assert_close(got[0], want[0], **TOL)
-    torch.testing.assert_close(got[1], want[1], **TOL)
+    # Each side sums in float32 in its own order (chunks against one matmul), so each
+    # element may differ by what the standard bound allows for a sum of n float32 products,
+    # n·eps·Σ|terms| per side (Higham, Accuracy and Stability, 3.1), twice: the loss over
+    # the tokens, dL/dhidden over the vocabulary, dL/dweight over the tokens. A fixed 1e-6
+    # failed at 1.06e-6 on a dL/dweight element under load (another thread count's order).
+    eps = torch.finfo(torch.float32).eps
+    flat = hidden.detach().flatten(0, 1)
+    valid = (labels.flatten() != IGNORE_LABEL).unsqueeze(1)
+    probs = torch.softmax(logits.detach().flatten(0, 1), dim=-1)
+    onehot = F.one_hot(labels.flatten().clamp(min=0), weight.shape[0]).to(probs.dtype)
+    residual = ((probs - onehot) * valid).abs()  # |dL/dlogits|, ignored tokens 0
+    tokens, vocab = flat.shape[0], weight.shape[0]
+    per_token = F.cross_entropy(logits.detach().flatten(0, 1), labels.flatten(),
+                                ignore_index=IGNORE_LABEL, reduction="none").abs()
+    bounds = (2 * tokens * eps * per_token.sum() + 1e-7,
+              2 * vocab * eps * (residual @ weight.detach().abs()).view_as(hidden) + 1e-7,
+              2 * tokens * eps * (residual.T @ flat.abs()) + 1e-7)
+    for name, value, reference, bound in zip(("loss", "dL/dhidden", "dL/dweight"),
+                                             (loss, *got), (want_loss, *want), bounds,
+                                             strict=True):
+        error = (value.detach() - reference.detach()).abs()
+        assert (error <= bound).all(), (name, (error - bound).max().item())
 
 
 def test_chunk_size_is_checked() -> None:
