@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from progress import finish, prompt
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -155,7 +156,7 @@ def test_ctrl_c_checkpoints_and_stops(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGINT)
         time.sleep(0.3)
         proc.send_signal(signal.SIGINT)
-        stdout, stderr = proc.communicate(timeout=120)
+        stdout, stderr = finish(proc, run_dir)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -184,8 +185,9 @@ def test_sigterm_to_the_process_group_stops_like_ctrl_c(tmp_path: Path) -> None:
                   proc, "steps")
         sent = time.monotonic()
         os.killpg(proc.pid, signal.SIGTERM)
-        stdout, stderr = proc.communicate(timeout=120)
+        stdout, stderr = finish(proc, run_dir)
         took = time.monotonic() - sent
+        allowed = prompt(30)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -195,7 +197,7 @@ def test_sigterm_to_the_process_group_stops_like_ctrl_c(tmp_path: Path) -> None:
     assert f"job 'cli-test' stopped at step {last}/100000" in stdout
     assert list((run_dir / "checkpoints").glob(f"step_{last:08d}-*"))
     assert not (run_dir / "ringray.lock").exists()
-    assert took < 30
+    assert took < allowed
 
 
 def test_ctrl_c_during_the_evaluation_ends_it_promptly(tmp_path: Path) -> None:
@@ -213,8 +215,9 @@ def test_ctrl_c_during_the_evaluation_ends_it_promptly(tmp_path: Path) -> None:
         time.sleep(1.0)  # the CLI's view has seen the state
         asked = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        stdout, stderr = proc.communicate(timeout=60)
+        stdout, stderr = finish(proc, run_dir)
         took = time.monotonic() - asked
+        allowed = prompt(20)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -222,7 +225,7 @@ def test_ctrl_c_during_the_evaluation_ends_it_promptly(tmp_path: Path) -> None:
     assert "stopping: the passkey evaluation is abandoned" in stderr
     assert "stop requested during the passkey evaluation: abandoned" in stderr
     assert "job 'cli-test' stopped at step 2/2" in stdout
-    assert took < 20
+    assert took < allowed
     assert not (run_dir / "passkey.json").exists()
 
 

@@ -63,7 +63,7 @@ def test_worker_actors_on_gpu_nodes_see_the_nodes_gpus(local_cluster, tmp_path) 
     job = JobOptions(
         name="gpu-devices", train=job_options(str(tmp_path), parallel={"cp": 4}),
         cluster=ClusterOptions(accelerator="gpu", worker_resources={"GPU": 1, tag: 1},
-                               startup_timeout_seconds=60, poll_seconds=0.2,
+                               startup_timeout_seconds=280, poll_seconds=0.2,  # under pytest's 300
                                request_resources=False),
         metrics=MetricsOptions(port=None))
     group = RayWorkerGroup(job, JobRecord(job, tmp_path, metrics=None),

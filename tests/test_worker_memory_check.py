@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from progress import finish
 from train_cases import changed, tiny_options
 from typer.testing import CliRunner
 
@@ -117,14 +118,9 @@ def _train(address: str, run_dir: Path, name: str, *args: str) -> subprocess.Pop
                             text=True)
 
 
-def _finish(process: subprocess.Popen, name: str, *, started: float,
-            timeout: float = 150) -> tuple[int, str, str, float]:
-    try:
-        out, err = process.communicate(timeout=max(1, started + timeout - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        process.kill()
-        out, err = process.communicate()
-        pytest.fail(f"ringray train {name} gave no answer within {timeout:.0f} s: {err[-2000:]}")
+def _finish(process: subprocess.Popen, run_dir: Path, *,
+            started: float) -> tuple[int, str, str, float]:
+    out, err = finish(process, run_dir)  # waits while the run makes progress
     return process.returncode, out, err, time.monotonic() - started
 
 
@@ -165,10 +161,10 @@ def test_a_job_that_cannot_fit_its_node_is_refused_on_the_cluster(local_cluster,
                          "--set", "train.seq_len=16777216")
         forced = _train(address, forced_dir, "memory-forced", "--force", "--steps", "1",
                         "--set", "train.seq_len=256")
-        code, _, stderr, took = _finish(refused, "memory-refused", started=started)
+        code, _, stderr, took = _finish(refused, refused_dir, started=started)
         print(f"refused in {took:.1f} s")
         forced_code, forced_out, forced_err, forced_took = _finish(
-            forced, "memory-forced", started=started)
+            forced, forced_dir, started=started)
         print(f"forced run in {forced_took:.1f} s")
     finally:
         local_cluster.remove_all()
