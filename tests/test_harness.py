@@ -1,0 +1,354 @@
+"""lm_eval's ``ringray`` model (ringray.harness) against lm_eval's own ``hf`` model.
+
+A tiny random Llama checkpoint is saved locally with transformers (nothing downloaded), with
+a byte-level BPE tokenizer that adds BOS (so the prefix-token and BOS-prefix paths run) and
+a context length of 64 tokens (so long contexts are cut from the left and rolling windows
+split). The same requests go to:
+
+- ``hf`` (lm_eval's HFLM, transformers' model) and ``ringray`` with cp=1: per-request
+  log-likelihoods, greedy flags, rolling log-likelihoods and greedy generations;
+- real gloo rings of 3 ranks (zigzag, an odd ring: no request length is a multiple of its
+  6), called directly, and of 2 ranks (striped) under lm_eval's own evaluator on two local
+  tasks (per-request answers read back from its logged samples): the same as cp=1;
+- (``slow``) ``python -m ringray.harness --cp 2`` with lm_eval's command line, and a ring
+  whose rank 0 fails: the launcher exits with an error instead of waiting. The command line
+  indexes every task lm_eval ships before it starts (~15 s on a quiet 2-core machine), which
+  is why these two are left to ``make test-all``.
+
+Tolerance: ``atol=1e-4, rtol=1e-6`` on summed log-probabilities. Both sides compute the
+same float32 arithmetic in different orders (fused sdpa against ring blocks merged by their
+log-sum-exp; other matmul shapes for a batch), so a token's log-probability (magnitude ~5
+here) agrees to about 1e-6 relative, and a request sums up to ~200 of them. Any mistake in
+which positions are scored, in the padding, the truncation or the ring moves a sum by
+whole units. Greedy flags and generated text must be equal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(
+    find_spec("lm_eval") is None or find_spec("transformers") is None,
+    reason="needs the eval extra (lm_eval) and transformers")
+
+TOL = {"atol": 1e-4, "rtol": 1e-6}
+CONTEXT = 64  # the checkpoint's max_position_embeddings: hf's max_length
+
+LOGLIKELIHOOD = [
+    ("The grass is", " green."),
+    ("12345 is", " 345"),           # multi-digit merges at the split
+    ("", "hello world"),            # empty context: the prefix token
+    ("abc ", "def"),                # the context's trailing space moves to the continuation
+    ("The sky is blue. " * 6, "And the sun is yellow."),  # longer than 64 tokens: cut
+    ("The grass is", " g"),         # the same input as the next: one forward for both
+    ("The grass is", " b"),
+]
+ROLLING = ["The pass key is 12345. Remember it. " * 5, "short"]
+GENERATE = [
+    ("The grass is", {"until": ["."], "max_gen_toks": 12}),
+    ("12 34 345", {"until": ["\n\n"], "max_gen_toks": 9, "do_sample": False}),
+    ("Here we go.", {"until": [], "max_gen_toks": 5, "temperature": 0.0}),
+]
+GREEDY_CONTEXTS = ["The grass", "The sky is", "Here we", "There and back", "12 34",
+                   "Remember it", "The pass key", "again and", "sun is yel", "abc"]
+
+
+def save_checkpoint(path: Path) -> None:
+    """A random 2-layer Llama (GQA, untied) and a byte-level BPE that prepends BOS."""
+    import transformers
+    from hf_cases import tiny_tokenizer
+    from tokenizers import processors
+
+    tokenizer = tiny_tokenizer()
+    bos = tokenizer.token_to_id("<|begin_of_text|>")
+    eos = tokenizer.token_to_id("<|end_of_text|>")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)])
+    path.mkdir(parents=True)
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|end_of_text|>"}))
+    config = transformers.LlamaConfig(
+        vocab_size=tokenizer.get_vocab_size(), hidden_size=32, intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=CONTEXT, rms_norm_eps=1e-6, bos_token_id=bos,
+        eos_token_id=eos, tie_word_embeddings=False)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():  # weights large enough that a wrong position shows
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+            else:
+                param.normal_(0.0, 0.3)
+    model.save_pretrained(path)
+
+
+def instances(kind: str, arguments: list) -> list:
+    from lm_eval.api.instance import Instance
+
+    return [Instance(request_type=kind, doc={}, arguments=a if isinstance(a, tuple) else (a,),
+                     idx=i) for i, a in enumerate(arguments)]
+
+
+def run_requests(lm, requests: dict) -> dict:
+    """Every kind of request through ``lm``: plain Python results."""
+    return {
+        "loglikelihood": lm.loglikelihood(instances("loglikelihood", requests["ll"]),
+                                          disable_tqdm=True),
+        "rolling": lm.loglikelihood_rolling(instances("loglikelihood_rolling",
+                                                      requests["rolling"]), disable_tqdm=True),
+        "generate": lm.generate_until(instances("generate_until", requests["generate"]),
+                                      disable_tqdm=True),
+    }
+
+
+def assert_same(ours: dict, theirs: dict) -> None:
+    got, want = ours["loglikelihood"], theirs["loglikelihood"]
+    torch.testing.assert_close(torch.tensor([x for x, _ in got], dtype=torch.float64),
+                               torch.tensor([x for x, _ in want], dtype=torch.float64), **TOL)
+    assert [g for _, g in got] == [g for _, g in want]
+    torch.testing.assert_close(torch.tensor(ours["rolling"], dtype=torch.float64),
+                               torch.tensor(theirs["rolling"], dtype=torch.float64), **TOL)
+    assert ours["generate"] == theirs["generate"]
+
+
+def ring_rank(rank: int, world: int, path: str, requests: dict) -> dict | int:
+    """One rank of a gloo ring (``tests/distributed.py``): rank 0 drives the ``ringray``
+    model, the others serve its forwards."""
+    from ringray.harness.ring import serve
+
+    if rank:
+        return serve()
+    from ringray.harness.lm import RingLM
+
+    lm = RingLM(pretrained=path, batch_size=2)  # cp: the whole process group
+    try:
+        assert lm.options.cp == world
+        return run_requests(lm, requests)
+    finally:
+        lm.close()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("harness") / "ckpt"
+    save_checkpoint(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def cases(checkpoint: str) -> dict:
+    """The requests, hf's and cp=1's answers. Besides the fixed requests: continuations
+    that are the model's own greedy next tokens (printable ones, from hf's generation), so
+    that greedy flags are compared where they are true too, and a generation cut by a stop
+    string the model does produce."""
+    from lm_eval.models.huggingface import HFLM
+
+    from ringray.harness.lm import RingLM
+
+    hf = HFLM(pretrained=checkpoint, device="cpu", dtype="float32", batch_size=1)
+    probe = hf.generate_until(instances("generate_until", [
+        (context, {"until": [], "max_gen_toks": 1}) for context in GREEDY_CONTEXTS]),
+        disable_tqdm=True)
+    greedy = [(c, t) for c, t in zip(GREEDY_CONTEXTS, probe, strict=True)
+              if t.isascii() and t.strip() and t.isprintable()]
+    free = hf.generate_until(instances("generate_until", [
+        ("The sky is", {"until": [], "max_gen_toks": 10})]), disable_tqdm=True)[0]
+    stops = [c for c in free[2:] if c.isascii() and c.isprintable() and c.strip()]
+    generate = GENERATE + ([("The sky is", {"until": [stops[0]], "max_gen_toks": 10})]
+                           if stops else [])
+    requests = {"ll": LOGLIKELIHOOD + greedy, "rolling": ROLLING, "generate": generate}
+    ring = RingLM(pretrained=checkpoint, batch_size=3)
+    return {"requests": requests, "hf": run_requests(hf, requests),
+            "cp1": run_requests(ring, requests), "ring": ring, "stop_found": bool(stops)}
+
+
+def test_cp1_equals_hf(cases: dict) -> None:
+    """cp=1 (no process group) gives hf's log-likelihoods, greedy flags, rolling sums and
+    generations; the greedy flags compared include true ones."""
+    assert_same(cases["cp1"], cases["hf"])
+    flags = [greedy for _, greedy in cases["hf"]["loglikelihood"]]
+    assert any(flags) and not all(flags)
+    assert cases["stop_found"]  # a generation stopped by a stop string it produced
+    assert len(cases["hf"]["generate"][-1]) < 10
+    ring = cases["ring"]
+    assert ring.options.cp == 1 and ring.ring.engine.divisor == 2  # zigzag over one rank
+
+
+def test_model_args_use_the_job_file_names(checkpoint: str) -> None:
+    """``--model_args`` as lm_eval parses them: parallel.* and model.rope.* names reach the
+    model (the RoPE override changes its config and its numbers); a wrong name is refused
+    in one line that lists the valid ones."""
+    from lm_eval.utils import simple_parse_args_string
+
+    from ringray.harness.lm import RingLM
+    from ringray.harness.options import HarnessOptions
+
+    args = simple_parse_args_string(
+        f"pretrained={checkpoint},layout=striped,attention_backend=sdpa,precision=fp32,"
+        "rope.scaling=yarn,rope.factor=4,rope.original_max_position_embeddings=16,"
+        "max_length=256")
+    lm = RingLM(**args)
+    options, engine = lm.options, lm.ring.engine
+    assert (options.cp, options.layout_kind, lm.max_length) == (1, "striped", 256)
+    scaling = engine.config.rope_scaling
+    assert (scaling.kind, scaling.factor, scaling.original_max_position_embeddings) == (
+        "yarn", 4.0, 16)
+    request = instances("loglikelihood", [("The grass is", " green.")])
+    plain = RingLM(pretrained=checkpoint).loglikelihood(request, disable_tqdm=True)
+    assert abs(lm.loglikelihood(request, disable_tqdm=True)[0][0] - plain[0][0]) > 1e-3
+    with pytest.raises(ValueError, match=r"^rope\.factr: not a RoPE option; valid: .*rope\.factor"):
+        HarnessOptions.from_model_args({"pretrained": checkpoint, "rope.factr": 4})
+    with pytest.raises(ValueError, match=r"^ring: not an argument of the ringray model"):
+        HarnessOptions.from_model_args({"pretrained": checkpoint, "ring": 2})
+    with pytest.raises(ValueError, match=r"^cp: 2 ranks need a process group of 2"):
+        RingLM(pretrained=checkpoint, cp=2)
+
+
+def test_odd_ring_equals_cp1(cases: dict, checkpoint: str) -> None:
+    """A real gloo ring of 3 ranks (zigzag, padded to multiples of 6) equals cp=1."""
+    from distributed import run_gloo_ranks
+
+    results = run_gloo_ranks(3, ring_rank, checkpoint, cases["requests"],
+                             timeout_seconds=240, collective_timeout_seconds=120)
+    assert_same(results[0], cases["cp1"])
+    assert all(calls > 0 for calls in results[1:])  # the other ranks ran every forward
+
+
+def write_tasks(directory: Path, loglikelihood: list) -> list[str]:
+    """Two lm_eval tasks on local JSON lines: multiple choice (loglikelihood) over the first
+    five loglikelihood cases, and greedy generation until ".". Returns their names."""
+    choices = directory / "choices.jsonl"
+    choices.write_text("".join(json.dumps(
+        {"question": context or "Q", "choices": [continuation, " blue", " 12345"],
+         "answer": 0}) + "\n" for context, continuation in loglikelihood[:5]))
+    prompts = directory / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"question": context, "answer": ""}) + "\n"
+                               for context in ("The sky is", "12 34 345")))
+    common = "test_split: test\ndataset_path: json\ndoc_to_text: '{{question}}'\n"
+    (directory / "rr_choice.yaml").write_text(
+        f"task: rr_choice\n{common}dataset_kwargs:\n  data_files:\n    test: {choices}\n"
+        "output_type: multiple_choice\ndoc_to_choice: '{{choices}}'\n"
+        "doc_to_target: '{{answer}}'\nmetric_list:\n  - metric: acc\n")
+    (directory / "rr_gen.yaml").write_text(
+        f"task: rr_gen\n{common}dataset_kwargs:\n  data_files:\n    test: {prompts}\n"
+        "output_type: generate_until\ndoc_to_target: '{{answer}}'\n"
+        "generation_kwargs:\n  until: ['.']\n  max_gen_toks: 6\n  do_sample: false\n"
+        "metric_list:\n  - metric: exact_match\n")
+    return ["rr_choice", "rr_gen"]
+
+
+def logged_answers(samples: dict[str, list[dict]]) -> dict:
+    """lm_eval's logged samples as ``{"ll": [((context, continuation), (logprob, greedy))],
+    "generate": [((context, gen_kwargs), text)]}``."""
+    def arguments(sample: dict) -> list[tuple]:  # a list in memory, {"gen_args_N": ...} on disk
+        found = sample["arguments"]
+        found = found.values() if isinstance(found, dict) else found
+        return [tuple(a.values()) if isinstance(a, dict) else tuple(a) for a in found]
+
+    ll = [(args, (float(resp[0][0]), str(resp[0][1]) == "True"))
+          for sample in samples["rr_choice"]
+          for args, resp in zip(arguments(sample), sample["resps"], strict=True)]
+    generate = [(arguments(sample)[0], sample["resps"][0][0]) for sample in samples["rr_gen"]]
+    return {"ll": ll, "generate": generate}
+
+
+def assert_logged_equal_cp1(answers: dict, ring) -> None:
+    """What lm_eval logged equals the cp=1 model's answers to the same arguments."""
+    assert answers["ll"] and answers["generate"]
+    want = ring.loglikelihood(instances("loglikelihood", [a for a, _ in answers["ll"]]),
+                              disable_tqdm=True)
+    torch.testing.assert_close(
+        torch.tensor([logprob for _, (logprob, _) in answers["ll"]], dtype=torch.float64),
+        torch.tensor([logprob for logprob, _ in want], dtype=torch.float64), **TOL)
+    assert [greedy for _, (_, greedy) in answers["ll"]] == [greedy for _, greedy in want]
+    texts = ring.generate_until(instances("generate_until", [a for a, _ in answers["generate"]]),
+                                disable_tqdm=True)
+    assert [text for _, text in answers["generate"]] == texts
+
+
+def evaluator_rank(rank: int, world: int, path: str, task_dir: str) -> dict | int:
+    """One rank of a gloo ring under lm_eval's evaluator: rank 0 runs ``simple_evaluate``
+    with the ``ringray`` model on the local tasks and returns the logged answers."""
+    from ringray.harness.ring import serve, stop_followers
+
+    if rank:
+        return serve()
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    import ringray.harness.lm  # noqa: F401 - registers "ringray"
+
+    try:
+        results = lm_eval.simple_evaluate(
+            model="ringray", model_args=f"pretrained={path},layout=striped",
+            tasks=["rr_choice", "rr_gen"], batch_size=2, log_samples=True,
+            task_manager=TaskManager(include_path=task_dir, include_defaults=False))
+    finally:
+        stop_followers()
+    return logged_answers(results["samples"])
+
+
+def test_lm_eval_evaluator_over_ring_equals_cp1(cases: dict, checkpoint: str,
+                                                tmp_path: Path) -> None:
+    """lm_eval's evaluator drives the registered ``ringray`` model over a striped ring of 2
+    gloo ranks: the per-request answers it logs equal cp=1's."""
+    from distributed import run_gloo_ranks
+
+    write_tasks(tmp_path, cases["requests"]["ll"])
+    results = run_gloo_ranks(2, evaluator_rank, checkpoint, str(tmp_path),
+                             timeout_seconds=240, collective_timeout_seconds=120)
+    assert results[1] > 0
+    assert_logged_equal_cp1(results[0], cases["ring"])
+
+
+def launch(arguments: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "ringray.harness", *arguments], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_launcher_command_line_equals_cp1(cases: dict, checkpoint: str,
+                                          tmp_path: Path) -> None:
+    """``python -m ringray.harness --cp 2 -- <lm_eval's command line>`` runs the tasks over
+    a ring of 2 processes it starts; the answers lm_eval logs equal cp=1's and every rank
+    leaves when lm_eval is done (the command returns 0)."""
+    tasks = write_tasks(tmp_path, cases["requests"]["ll"])
+    out = tmp_path / "out"
+    done = launch(["--cp", "2", "--threads", "1", "--timeout", "120", "--", "--model",
+                   "ringray", "--model_args", f"pretrained={checkpoint},layout=striped",
+                   "--batch_size", "2", "--tasks", ",".join(tasks), "--include_path",
+                   str(tmp_path), "--output_path", str(out), "--log_samples"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    samples = {}
+    for path in out.rglob("samples_*.jsonl"):
+        task = next(t for t in tasks if path.name.startswith(f"samples_{t}_"))
+        samples[task] = [json.loads(line) for line in path.open()]
+    assert set(samples) == set(tasks)
+    assert_logged_equal_cp1(logged_answers(samples), cases["ring"])
+
+
+@pytest.mark.slow
+def test_launcher_failing_rank_stops_the_ring(checkpoint: str, tmp_path: Path) -> None:
+    """Rank 0 fails (a checkpoint that is not there) while the other rank waits for its
+    first call: the other rank sees the connection close, the launcher exits non-zero at
+    once, well inside the timeouts it was given (an hour each)."""
+    tasks = write_tasks(tmp_path, LOGLIKELIHOOD)
+    done = launch(["--cp", "2", "--threads", "1", "--timeout", "3600", "--idle-timeout",
+                   "3600", "--", "--model", "ringray", "--model_args",
+                   f"pretrained={tmp_path / 'missing'}", "--tasks", ",".join(tasks),
+                   "--include_path", str(tmp_path)], timeout=240)
+    assert done.returncode != 0
+    assert "pretrained:" in done.stderr and "is not a directory" in done.stderr
