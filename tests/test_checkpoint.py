@@ -19,7 +19,7 @@ from faulty_fs import Crash, CrashingMemoryFS, DenyingMemoryFS, FullMemoryFS
 from torch.distributed.checkpoint import FileSystemReader
 from train_cases import tiny_options
 
-import ringray.train.checkpoint as checkpoint_module
+import ringray.train.checkpoint_catalog as checkpoint_module
 from ringray.train import CheckpointStore, Trainer
 from ringray.train.checkpoint import (
     COMPLETE_MARKER,
@@ -27,11 +27,10 @@ from ringray.train.checkpoint import (
     CheckpointError,
     CheckpointIOError,
     CheckpointWriteError,
-    LocationInUse,
     describe_error,
     is_deterministic,
-    plan_run,
 )
+from ringray.train.checkpoint_runs import LocationInUse, plan_run
 
 
 def _state(value: float) -> dict:

@@ -41,7 +41,8 @@ def test_a_shared_location_saves(tmp_path) -> None:
 def _open_session(rank: int, world: int, location: str) -> str:
     import faulty_fs  # noqa: F401 - registers nodemem:// in this rank's process
 
-    from ringray.train.checkpoint import CheckpointWriteError, RunPlan
+    from ringray.train.checkpoint import CheckpointWriteError
+    from ringray.train.checkpoint_runs import RunPlan
     from ringray.train.session import TrainingSession
 
     options = tiny_options("/tmp/unused", parallel={"cp": 2},

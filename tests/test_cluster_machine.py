@@ -40,7 +40,7 @@ from ringray.cluster.states import (
 )
 from ringray.metrics import MetricsOptions
 from ringray.train import CheckpointRef, StepStats
-from ringray.train.checkpoint import RunPlan
+from ringray.train.checkpoint_runs import RunPlan
 from ringray.train.policy import steps_below_checkpoint
 from ringray.train.session import Restored, Saved
 

@@ -95,7 +95,8 @@ def _check_run_dir(job: JobOptions) -> None:
     """Before Ray starts: the run directory is not in use by a live run, and a new run
     (``checkpoint.resume: false``) does not land on another run's checkpoints. The controller
     checks both again when it starts (the authoritative check)."""
-    from ringray.train.checkpoint import CheckpointStore, LocationInUse, check_new_run
+    from ringray.train.checkpoint import CheckpointStore
+    from ringray.train.checkpoint_runs import LocationInUse, check_new_run
     from ringray.train.run_lock import RunDirInUse, RunLock
 
     options = job.train

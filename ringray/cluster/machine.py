@@ -62,7 +62,7 @@ from ringray.cluster.states import (
 )
 from ringray.data import PasskeyReport
 from ringray.train import StepStats, TrainOptions
-from ringray.train.checkpoint import RunPlan
+from ringray.train.checkpoint_runs import RunPlan
 from ringray.train.policy import evaluation_due, final_checkpoint_due, steps_below_checkpoint
 from ringray.train.session import Restored, Saved, checkpoint_due
 

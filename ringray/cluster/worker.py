@@ -45,7 +45,7 @@ from ringray.cluster.devices import (
 from ringray.cluster.status import WorkerHealth
 from ringray.data import PasskeyReport
 from ringray.train import StepStats, TrainOptions
-from ringray.train.checkpoint import RunPlan
+from ringray.train.checkpoint_runs import RunPlan
 from ringray.train.host_memory import release_freed_memory
 from ringray.train.memory_check import (
     WorkerMemoryRefused,

@@ -42,7 +42,7 @@ from ringray.cluster.watch import WorkerWatch
 from ringray.cluster.worker import TrainWorker
 from ringray.data import PasskeyReport
 from ringray.train import StepStats, TrainOptions
-from ringray.train.checkpoint import RunPlan
+from ringray.train.checkpoint_runs import RunPlan
 from ringray.train.replicas import ReplicaMembership
 from ringray.train.session import Restored, Saved
 

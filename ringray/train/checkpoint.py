@@ -48,16 +48,13 @@ import errno
 import functools
 import json
 import os
-import re
 import time
 import uuid
 import warnings
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
-import fsspec
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -68,6 +65,16 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from ringray.train.checkpoint_catalog import (
+    CHECKPOINT_DIR,
+    COMPLETE_MARKER,
+    MARKER_FORMAT,
+    CheckpointCatalog,
+    dir_name,
+    is_url,
+    join_location,
+    new_lineage,
+)
 from ringray.train.checkpoint_errors import (
     DETERMINISTIC_ERRNOS,
     CheckpointCorrupt,
@@ -81,35 +88,18 @@ from ringray.train.checkpoint_errors import (
     load_error,
     root_cause,
 )
-from ringray.train.checkpoint_ref import LEGACY_LINEAGE, CheckpointRef
+from ringray.train.checkpoint_ref import CheckpointRef
 from ringray.train.checksums import ChecksummingFileSystem, FileChecksum, file_checksum
 from ringray.train.collective import distributed, is_rank0, on_rank0
-from ringray.train.policy import model_config_differences
 
-COMPLETE_MARKER = "ringray-complete.json"
-MARKER_FORMAT = 3  # 3: "crc32c" per file; 2: sizes only ("files"); 1: no lineage
-UNKNOWN_LINEAGE = "unknown"  # a damaged checkpoint's: its marker cannot be read
-_DIR = re.compile(r"^step_(\d{8})(?:-([0-9a-f]{8}))?(\.partial)?$")
-# The errors live in checkpoint_errors; they are importable from here too.
+# The errors live in checkpoint_errors, the scan in checkpoint_catalog, the new-run check in
+# checkpoint_runs; they are importable from here too.
 __all__ = [
-    "COMPLETE_MARKER", "DETERMINISTIC_ERRNOS", "CheckpointCorrupt", "CheckpointError",
-    "CheckpointIOError", "CheckpointRef", "CheckpointStore", "CheckpointWriteError",
-    "LocationInUse", "RunPlan", "check_new_run", "describe_error", "deterministic_errno",
-    "is_communication_failure", "is_deterministic", "new_lineage", "plan_run",
-    "root_cause",
+    "COMPLETE_MARKER", "DETERMINISTIC_ERRNOS", "CheckpointCatalog", "CheckpointCorrupt",
+    "CheckpointError", "CheckpointIOError", "CheckpointRef", "CheckpointStore",
+    "CheckpointWriteError", "describe_error", "deterministic_errno",
+    "is_communication_failure", "is_deterministic", "new_lineage", "root_cause",
 ]
-
-
-class LocationInUse(ValueError):
-    """``checkpoint.resume`` is off but the location already holds another run's checkpoints."""
-
-
-def _is_url(location: str) -> bool:
-    return "://" in location
-
-
-def _join(location: str, name: str) -> str:
-    return f"{location.rstrip('/')}/{name}"
 
 
 def _barrier() -> None:
@@ -126,11 +116,6 @@ def _quiet_single_process():
         yield
 
 
-def new_lineage() -> str:
-    """A new run's lineage id."""
-    return uuid.uuid4().hex[:12]
-
-
 def _state_bytes(value: Any) -> int:
     """The bytes of the tensors in a (nested) state dict."""
     if isinstance(value, torch.Tensor):
@@ -142,203 +127,9 @@ def _state_bytes(value: Any) -> int:
     return 0
 
 
-class CheckpointStore:
-    """The checkpoints under ``location`` (a path or an fsspec URL); saves and pruning belong to
-    ``lineage`` (a new one if not given)."""
-
-    def __init__(self, location: str, *, lineage: str | None = None) -> None:
-        self.location = location.rstrip("/") or location
-        self.lineage = lineage or new_lineage()
-        self._fs, self._root = fsspec.core.url_to_fs(self.location)
-        self.warnings: list[str] = []  # what went wrong but did not fail a save (for the log)
-        # Checkpoints this process has hashed in full (verify): load does not hash them again.
-        self._content_verified: set[str] = set()
-
-    # ----------------------------------------------------------------- reading
-    def _entries(self) -> list[str]:
-        """Names directly under the location ([] when it does not exist)."""
-        try:
-            if not self._fs.exists(self._root):
-                return []
-            listing = self._fs.ls(self._root, detail=False)
-        except FileNotFoundError:
-            return []
-        return [entry.rstrip("/").rsplit("/", 1)[-1] for entry in listing]
-
-    def _read_marker(self, name: str) -> tuple[dict | None, str | None]:
-        """The marker of directory ``name``: ``(marker, None)``; ``(None, None)`` when it has
-        none (not committed); ``(None, why)`` when it is there but unreadable. Markers are
-        written whole (:meth:`_write_marker`), so an unreadable one was damaged after its
-        commit: the checkpoint is refused with ``why``, not mistaken for a crashed save."""
-        path = f"{self._root}/{name}/{COMPLETE_MARKER}"
-        try:
-            with self._fs.open(path, "rb") as f:
-                raw = f.read()
-        except FileNotFoundError:
-            return None, None
-        try:
-            marker = json.loads(raw.decode())
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            return None, f"{type(exc).__name__}: {exc}"
-        if not isinstance(marker, dict) or not isinstance(marker.get("step"), int):
-            return None, "it names no step"
-        return marker, None
-
-    def _scan(self) -> tuple[list[CheckpointRef], list[CheckpointRef]]:
-        """The committed checkpoints (any lineage) and the damaged ones (a marker there but
-        unreadable: lineage unknown, step from the directory's name), each oldest first."""
-        committed, damaged = [], []
-        for name in self._entries():
-            match = _DIR.match(name)
-            if not match or match.group(3):  # not a checkpoint, or a legacy .partial
-                continue
-            marker, damage = self._read_marker(name)
-            location = _join(self.location, name)
-            if marker is not None:
-                committed.append(CheckpointRef(
-                    step=int(marker["step"]), location=location,
-                    lineage=str(marker.get("lineage", LEGACY_LINEAGE)),
-                    committed_unix=float(marker.get("committed_unix", 0.0)),
-                ))
-            elif damage is not None:
-                damaged.append(CheckpointRef(
-                    step=int(match.group(1)), location=location, lineage=UNKNOWN_LINEAGE,
-                    committed_unix=self._modified_unix(f"{self._root}/{name}/{COMPLETE_MARKER}"),
-                ))
-        return sorted(committed, key=_by_commit), sorted(damaged, key=_by_commit)
-
-    def _modified_unix(self, path: str) -> float:
-        try:
-            modified = self._fs.info(path).get("mtime")
-        except OSError:
-            return 0.0
-        return float(modified) if isinstance(modified, int | float) else 0.0
-
-    def committed(self) -> list[CheckpointRef]:
-        """Every committed checkpoint at the location (any lineage), oldest commit first."""
-        return self._scan()[0]
-
-    def damaged(self) -> list[CheckpointRef]:
-        """Every checkpoint whose marker is there but unreadable, oldest first. Their lineage
-        cannot be read (``UNKNOWN_LINEAGE``); a resume tries them (:meth:`restore_order`) so
-        that each is refused with its reason, and pruning keeps them until a checkpoint of
-        their step or a later one commits."""
-        return self._scan()[1]
-
-    def restore_order(self, lineage: str | None = None) -> list[CheckpointRef]:
-        """What a resume of ``lineage`` (default: this store's) tries, newest step first: its
-        committed checkpoints and every damaged one (refused, with the reason, when tried)."""
-        lineage = lineage or self.lineage
-        committed, damaged = self._scan()
-        refs = [r for r in committed if r.lineage == lineage] + damaged
-        return sorted(refs, key=lambda r: (r.step, r.committed_unix), reverse=True)
-
-    def newest_lineage(self) -> str | None:
-        """The lineage of the most recently committed checkpoint (the run to resume)."""
-        refs = self.committed()
-        return refs[-1].lineage if refs else None
-
-    def of_lineage(self, lineage: str | None = None) -> list[CheckpointRef]:
-        """The committed checkpoints of ``lineage`` (default: this store's), newest first: by
-        step, and for a step saved twice the later commit first."""
-        lineage = lineage or self.lineage
-        refs = [r for r in self.committed() if r.lineage == lineage]
-        return sorted(refs, key=lambda r: (r.step, r.committed_unix), reverse=True)
-
-    def latest(self, lineage: str | None = None) -> CheckpointRef | None:
-        """The newest committed checkpoint of ``lineage`` (default: the newest lineage at the
-        location), or ``None``. Not verified: see :meth:`verify`."""
-        lineage = lineage or self.newest_lineage()
-        if lineage is None:
-            return None
-        refs = self.of_lineage(lineage)
-        return refs[0] if refs else None
-
-    def marker(self, ref: CheckpointRef) -> dict:
-        """The commit marker of ``ref`` (raises :class:`CheckpointCorrupt` if unreadable)."""
-        name = ref.location.rstrip("/").rsplit("/", 1)[-1]
-        marker, damage = self._read_marker(name)
-        if marker is None:
-            what = f"is unreadable ({damage})" if damage else "is missing"
-            raise CheckpointCorrupt(f"checkpoint {ref.location}: its marker {COMPLETE_MARKER} "
-                                    f"{what}", ref)
-        return marker
-
-    def verify(self, ref: CheckpointRef) -> None:
-        """Raise :class:`CheckpointCorrupt` (one line naming the file) unless every file the
-        marker lists is there with its recorded size and checksum (this process reads them
-        all). Markers of format 2 have sizes only; of format 1, neither: DCP's ``.metadata``
-        must be there."""
-        problem = self._problem(ref, share=(0, 1))
-        if problem is not None:
-            raise CheckpointCorrupt(problem, ref)
-        self._content_verified.add(ref.location)
-
-    def _problem(self, ref: CheckpointRef, *, share: tuple[int, int],
-                 hash_files: bool = True) -> str | None:
-        """What is wrong with ``ref`` (one line), or None: its marker, every file's size, and
-        the checksums of the files in ``share`` (``(index, count)``: every count-th file from
-        the index-th, so that ranks split the reading)."""
-        try:
-            marker = self.marker(ref)
-        except CheckpointCorrupt as exc:
-            return str(exc)
-        _, path = fsspec.core.url_to_fs(ref.location)
-        files = marker.get("files") or {".metadata": None}
-        stored = self._stored_sizes(path)  # one listing, not a stat per file
-        for name, size in sorted(files.items()):
-            actual = stored.get(name)
-            if actual is None:
-                return f"checkpoint {ref.location}: {name} is missing"
-            if size is not None and actual != size:
-                return (f"checkpoint {ref.location}: {name} is {actual} bytes, the commit "
-                        f"marker says {size} ({'truncated' if actual < size else 'changed'})")
-        checksums = marker.get("crc32c") or {}
-        unverifiable = self._unverifiable(ref, marker, stored, files, checksums)
-        if unverifiable is not None:
-            return unverifiable
-        index, count = share
-        for name in sorted(checksums)[index::count] if hash_files else []:
-            try:
-                with self._fs.open(f"{path}/{name}", "rb") as f:
-                    actual = file_checksum(f).crc32c
-            except FileNotFoundError:
-                return f"checkpoint {ref.location}: {name} is missing"
-            except ValueError as exc:  # the stream's own (a file closed under the read): the
-                # store failed, the bytes said nothing, so a retry can pass
-                raise OSError(f"reading {path}/{name}: {type(exc).__name__}: {exc}") from exc
-            if actual != checksums[name]:
-                return (f"checkpoint {ref.location}: {name} does not match its checksum "
-                        f"(crc32c {actual}, the commit marker says {checksums[name]}): it "
-                        f"changed after it was written")
-        return None
-
-    def _stored_sizes(self, path: str) -> dict[str, int]:
-        """Every file under ``path`` (relative name → size), as the marker names them."""
-        return {full[len(path):].lstrip("/"): int(info["size"])
-                for full, info in self._fs.find(path, detail=True).items()
-                if info.get("type") != "directory"}
-
-    @staticmethod
-    def _unverifiable(ref: CheckpointRef, marker: dict, stored: dict[str, int], files: dict,
-                      checksums: dict) -> str | None:
-        """A marker of format 3 or later must vouch for every file of its checkpoint: a
-        checksum for each file it lists, and every file there listed (DCP would read a file
-        the marker leaves out, unverified). Earlier formats had no checksums to lose."""
-        if marker.get("format", 1) < 3:
-            return None
-        unchecked = sorted(set(files) - set(checksums))
-        if unchecked:
-            return (f"checkpoint {ref.location}: its commit marker has no checksum for "
-                    f"{unchecked[0]} ({len(unchecked)} of {len(files)} files), so it cannot be "
-                    f"verified and is not loaded")
-        unlisted = sorted(name for name in set(stored) - set(files)
-                          if name and not name.startswith(COMPLETE_MARKER))
-        if unlisted:
-            return (f"checkpoint {ref.location}: {unlisted[0]} is there but not in its commit "
-                    f"marker ({len(unlisted)} file(s)), so it cannot be verified and is not "
-                    f"loaded")
-        return None
+class CheckpointStore(CheckpointCatalog):
+    """A :class:`~ringray.train.checkpoint_catalog.CheckpointCatalog` that saves, commits,
+    prunes and loads; saves and pruning belong to ``lineage`` (a new one if not given)."""
 
     # ----------------------------------------------------------------- writing
     def check_shared(self) -> None:
@@ -404,7 +195,7 @@ class CheckpointStore:
         # Rank 0's own steps (the directory, the marker) end in a broadcast of how they went,
         # so a failure there raises on every rank instead of leaving the others in a barrier.
         name = self._on_coordinator(step, lambda: self._prepare(name))
-        directory = _join(self.location, name)
+        directory = join_location(self.location, name)
         writer = self._writer(directory)
         try:
             with _quiet_single_process():
@@ -573,28 +364,20 @@ class CheckpointStore:
                       key=lambda r: (r.step, r.committed_unix), reverse=True)
         kept_steps: list[int] = []
         for ref in ours:
-            name = _name(ref)
+            name = dir_name(ref)
             if name == just_committed or (ref.step not in kept_steps and len(kept_steps) < keep):
                 if ref.step not in kept_steps:
                     kept_steps.append(ref.step)
                 continue
             self._remove(name)
-        step = int(_DIR.match(just_committed).group(1))
+        step = int(CHECKPOINT_DIR.match(just_committed).group(1))
         for ref in damaged:
             if ref.step <= step:
-                self._remove(_name(ref))
-        known = {_name(r) for r in committed + damaged}
+                self._remove(dir_name(ref))
+        known = {dir_name(r) for r in committed + damaged}
         for name in self._entries():
-            if _DIR.match(name) and name not in known and name != just_committed:
+            if CHECKPOINT_DIR.match(name) and name not in known and name != just_committed:
                 self._remove(name)
-
-    def move_aside(self) -> str:
-        """Move everything at the location to ``<location>.previous-<unix time>`` (rank 0; a
-        rename on a local disk, a copy and a delete on object stores); returns the new place."""
-        target = f"{self.location}.previous-{int(time.time())}"
-        _, target_root = fsspec.core.url_to_fs(target)
-        self._fs.mv(self._root, target_root, recursive=True)
-        return target
 
     # ----------------------------------------------------------------- loading
     def load(self, ref: CheckpointRef, state: dict[str, Any]) -> None:
@@ -643,48 +426,14 @@ class CheckpointStore:
                 return f"its {key} is {meta.properties.dtype}, this run's {value.dtype}"
         return None
 
-    def _verify_on_every_rank(self, ref: CheckpointRef) -> None:
-        """:meth:`verify` split over the ranks (rank r hashes every world-th file from the
-        r-th; one that :meth:`verify` passed here already, none), the first problem raised on
-        every rank."""
-        rank, world = (dist.get_rank(), dist.get_world_size()) if distributed() else (0, 1)
-        try:
-            problem = self._problem(ref, share=(rank, world),
-                                    hash_files=ref.location not in self._content_verified)
-            finding = None if problem is None else ("corrupt", problem)
-        except OSError as exc:  # the store failed to answer, not the checkpoint
-            finding = ("io", f"checkpoint {ref.location}: {describe_error(exc)}")
-        if distributed():
-            findings: list = [None] * world
-            try:
-                dist.all_gather_object(findings, finding)
-            except Exception as exc:
-                raise CheckpointIOError(f"checkpoint {ref.location}: verifying it failed with "
-                                        f"a peer ({describe_error(exc)})") from None
-            finding = next((f for f in findings if f is not None), None)
-        if finding is not None:
-            kind, message = finding
-            if kind == "io":
-                raise CheckpointIOError(message)
-            raise CheckpointCorrupt(message, ref)
-
     def _writer(self, location: str) -> FileSystemWriter:
         """DCP's writer, with every file hashed as it is written."""
-        writer = FsspecWriter(location) if _is_url(location) else FileSystemWriter(location)
+        writer = FsspecWriter(location) if is_url(location) else FileSystemWriter(location)
         writer.fs = ChecksummingFileSystem(writer.fs)
         return writer
 
     def _reader(self, location: str):
-        return FsspecReader(location) if _is_url(location) else FileSystemReader(location)
-
-
-def _by_commit(ref: CheckpointRef) -> tuple[float, int]:
-    return ref.committed_unix, ref.step
-
-
-def _name(ref: CheckpointRef) -> str:
-    """The directory name of ``ref``."""
-    return ref.location.rstrip("/").rsplit("/", 1)[-1]
+        return FsspecReader(location) if is_url(location) else FileSystemReader(location)
 
 
 def _gathered_on_rank0(written: dict[str, FileChecksum]) -> dict[str, FileChecksum]:
@@ -698,71 +447,3 @@ def _gathered_on_rank0(written: dict[str, FileChecksum]) -> dict[str, FileChecks
     for part in parts or []:
         merged.update(part)
     return merged
-
-
-def check_model_config(store: CheckpointStore, ref: CheckpointRef, current: dict, *,
-                       remedy: str) -> None:
-    """Raise :class:`CheckpointError` (one line naming each field that differs and both
-    values, then ``remedy``) unless ``ref``'s marker records the model config ``current``
-    (``ModelOptions.to_dict()``): before any tensor is read, so another model's checkpoint is
-    reported as such, not as a tensor that does not fit, or, for a model with fewer layers,
-    not at all. A marker from before configs were recorded passes."""
-    saved = store.marker(ref).get("model_config")
-    if saved is None:
-        return
-    raise_if_other_model(ref, saved, current, remedy=remedy)
-
-
-def raise_if_other_model(ref: CheckpointRef, saved: dict, current: dict, *,
-                         remedy: str) -> None:
-    """The model-config check, in its one wording (:func:`model_config_differences`):
-    :class:`CheckpointError` naming each field that differs and both values, then
-    ``remedy``."""
-    detail = model_config_differences(saved, current)
-    if detail:
-        raise CheckpointError(f"model: checkpoint {ref.location} was trained with a different "
-                              f"model ({detail}); {remedy}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class RunPlan:
-    """How a run starts on a checkpoint location (:func:`plan_run`)."""
-
-    lineage: str  # the lineage this run's checkpoints belong to
-    restore: tuple[CheckpointRef, ...]  # checkpoints to try, newest first (empty: fresh)
-    moved_aside_to: str | None = None  # where an earlier run's checkpoints went
-
-
-def plan_run(store: CheckpointStore, *, resume: bool, move_aside: bool) -> RunPlan:
-    """Decide a run's lineage and what it restores (rank 0, before any training).
-
-    - ``resume``: continue the newest lineage at the location (its checkpoints, newest first,
-      with any damaged one in its place by step, to be refused with its reason), or start a
-      new one when there is none.
-    - not ``resume`` and the location is empty: a new lineage.
-    - not ``resume`` with checkpoints present (damaged ones too): refused
-      (:class:`LocationInUse`, one line naming the location), unless ``move_aside``: they are
-      moved to ``<location>.previous-<time>`` first. Two runs' checkpoints never mix.
-    """
-    if resume:
-        lineage = store.newest_lineage()
-        restore = tuple(store.restore_order(lineage or UNKNOWN_LINEAGE))
-        return RunPlan(lineage=lineage or new_lineage(), restore=restore)
-    if not check_new_run(store, move_aside=move_aside):
-        return RunPlan(lineage=new_lineage(), restore=())
-    return RunPlan(lineage=new_lineage(), restore=(), moved_aside_to=store.move_aside())
-
-
-def check_new_run(store: CheckpointStore, *, move_aside: bool) -> bool:
-    """Whether a new run (``resume`` off) finds another run's checkpoints at the location
-    (then ``move_aside`` must be on); raises :class:`LocationInUse` when they are there and
-    it is not. Reads only: :func:`plan_run` does the moving."""
-    present = store.committed() + store.damaged()
-    if present and not move_aside:
-        newest = max(present, key=lambda r: r.step)
-        raise LocationInUse(
-            f"checkpoint.resume: false, but {store.location} holds checkpoints of an earlier "
-            f"run (up to step {newest.step}); resume it (checkpoint.resume: true), give "
-            f"checkpoint.path a new place, or set checkpoint.move_aside: true"
-        )
-    return bool(present)

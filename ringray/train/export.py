@@ -29,8 +29,8 @@ from ringray.train.checkpoint import (
     CheckpointError,
     CheckpointRef,
     CheckpointStore,
-    check_model_config,
 )
+from ringray.train.checkpoint_runs import check_model_config
 from ringray.train.options import TrainOptions
 
 

@@ -35,9 +35,8 @@ from ringray.train.checkpoint import (
     CheckpointCorrupt,
     CheckpointRef,
     CheckpointStore,
-    RunPlan,
-    plan_run,
 )
+from ringray.train.checkpoint_runs import RunPlan, plan_run
 from ringray.train.options import TrainOptions
 from ringray.train.replicas import ReplicaSync
 from ringray.train.sharding import local_tensor

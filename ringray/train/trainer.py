@@ -74,9 +74,8 @@ from ringray.train.checkpoint import (
     CheckpointError,
     CheckpointRef,
     CheckpointStore,
-    check_model_config,
-    raise_if_other_model,
 )
+from ringray.train.checkpoint_runs import check_model_config, raise_if_other_model
 from ringray.train.collective import world_size
 from ringray.train.materialize import build_model
 from ringray.train.mesh import Mesh, MeshShape, build_mesh, resolve_mesh_shape
