@@ -11,7 +11,7 @@ from ring_cases import SEED_FOLD, random_permutation_layout
 
 from ringray.attention import make_layout
 from ringray.attention.layouts import seq_len_divisor
-from ringray.attention.steps import Piece, PieceKind, plan_rank
+from ringray.attention.pieces import Piece, PieceKind, plan_rank
 
 
 def covered(piece: Piece, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:

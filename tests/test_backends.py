@@ -15,7 +15,7 @@ from ringray.attention.backends import (
 )
 from ringray.attention.backends.common import position_mask
 from ringray.attention.backends.sdpa import CPU_CAUSAL_LEAF, causal_quadtree
-from ringray.attention.steps import PieceKind
+from ringray.attention.pieces import PieceKind
 
 CPU = torch.device("cpu")
 

@@ -20,10 +20,10 @@ from ringray.attention import (
     make_layout,
     step_imbalance,
 )
-from ringray.attention import steps as steps_module
+from ringray.attention import pieces as pieces_module
 from ringray.attention.backends import BACKENDS
 from ringray.attention.documents import Documents, check_documents
-from ringray.attention.steps import PieceKind, plan_rank
+from ringray.attention.pieces import PieceKind, plan_rank
 
 
 def visible(q_pos, k_pos, documents: list[int], causal: bool) -> torch.Tensor:
@@ -119,11 +119,11 @@ def planner(request, monkeypatch):
     """The planner as it chooses, forced to plan by segments, or forced to tiles (small
     tiles, so that a block has many)."""
     if request.param == "segments":
-        monkeypatch.setattr(steps_module, "MIN_SEGMENT_PAIRS", 10**9)
-        monkeypatch.setattr(steps_module, "MAX_SEGMENT_PAIRS", 10**9)
+        monkeypatch.setattr(pieces_module, "MIN_SEGMENT_PAIRS", 10**9)
+        monkeypatch.setattr(pieces_module, "MAX_SEGMENT_PAIRS", 10**9)
     elif request.param == "tiles":
-        monkeypatch.setattr(steps_module, "MAX_SEGMENT_PAIRS", 0)
-        monkeypatch.setattr(steps_module, "PLAN_TILE", 3)
+        monkeypatch.setattr(pieces_module, "MAX_SEGMENT_PAIRS", 0)
+        monkeypatch.setattr(pieces_module, "PLAN_TILE", 3)
     return request.param
 
 

@@ -22,11 +22,8 @@ from hypothesis import strategies as st
 
 from ringray.attention import block_work, make_layout
 from ringray.attention.documents import check_documents
-from ringray.attention.transfers import (
-    TransferPlan,
-    plan_transfers,
-    transfer_rounds,
-)
+from ringray.attention.transfer_plan import TransferPlan, transfer_rounds
+from ringray.attention.transfers import plan_transfers
 
 
 class _Phase:
@@ -310,7 +307,7 @@ def test_zigzag_sends_a_later_rank_only_the_early_chunk():
 # ------------------------------------------------------------------- the own block's place
 
 def _timeline_ratio(plan: TransferPlan, phase: str, fill: bool) -> float:
-    from ringray.attention.rounds import _timeline
+    from ringray.attention.transfer_plan import _timeline
 
     mean = sum(map(sum, plan.work)) / plan.world_size
     return _timeline(plan, phase, fill)[0] / mean
@@ -387,7 +384,7 @@ def test_split_pieces_covers_exactly_the_pieces_pairs_in_the_shares_asked_for():
     unit per share, the units' running pairs within a query row of the shares' running
     proportion; a piece is cut only where a share ends inside it (k shares: at most
     2 (k - 1) more kernel calls), and one share leaves the pieces as they are."""
-    from ringray.attention.steps import Piece, PieceKind, split_pieces
+    from ringray.attention.pieces import Piece, PieceKind, split_pieces
 
     def cover(pieces) -> torch.Tensor:
         grid = torch.zeros(96, 96, dtype=torch.int32)
@@ -424,7 +421,7 @@ def test_whole_layout_numbers_its_ranks_so_that_the_rounds_wait_least():
     as built waits 8 %; the same on every call (seeded)."""
     from ringray.attention import layouts
     from ringray.attention.balance import whole_ranges
-    from ringray.attention.transfers import modelled_time
+    from ringray.attention.transfer_plan import modelled_time
     from ringray.bench.ring import document_lengths
 
     documents = document_lengths("stdlib", 65536)

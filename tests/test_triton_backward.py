@@ -24,7 +24,7 @@ import torch
 from ringray.attention import make_layout
 from ringray.attention.backends.common import softmax_delta
 from ringray.attention.backends.reference import ReferenceBackend
-from ringray.attention.steps import PieceKind
+from ringray.attention.pieces import PieceKind
 
 triton_backward = pytest.importorskip("ringray.attention.backends.triton_backward")
 TileConfig = triton_backward.TileConfig

@@ -21,7 +21,7 @@ import torch
 
 from ringray.attention import make_layout
 from ringray.attention.backends.reference import ReferenceBackend
-from ringray.attention.steps import PieceKind
+from ringray.attention.pieces import PieceKind
 
 triton_forward = pytest.importorskip("ringray.attention.backends.triton_forward")
 TileConfig = triton_forward.TileConfig

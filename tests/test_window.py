@@ -15,11 +15,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ringray.attention import block_work, make_layout
-from ringray.attention import steps as steps_module
+from ringray.attention import pieces as pieces_module
 from ringray.attention.backends import BACKENDS
 from ringray.attention.backends.common import position_mask
 from ringray.attention.documents import check_documents
-from ringray.attention.steps import Piece, PieceKind, plan_rank
+from ringray.attention.pieces import Piece, PieceKind, plan_rank
 from ringray.attention.tiles import classify_tile_pair, tile_ranges
 from ringray.attention.transfers import plan_transfers
 from ringray.attention.validation import check_window
@@ -69,7 +69,7 @@ def random_layout(kind: str, world: int, seq: int, documents, rnd: random.Random
 def planner(request, monkeypatch):
     """The planner as it chooses, or with tiles of 3 tokens (so that a block has many)."""
     if request.param == "tiles":
-        monkeypatch.setattr(steps_module, "PLAN_TILE", 3)
+        monkeypatch.setattr(pieces_module, "PLAN_TILE", 3)
     return request.param
 
 

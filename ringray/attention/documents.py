@@ -9,7 +9,7 @@ is a contiguous range of global positions, so query ``q`` may see key ``k`` exac
 
 which is the one rule every backend applies (:func:`~.backends.common.position_mask` on
 tensors, :func:`~.tiles.classify_tile_pair` and ``visible`` in the Triton
-kernels) and that the step planner (:mod:`.steps`) turns into kernel calls.
+kernels) and that the step planner (:mod:`.pieces`) turns into kernel calls.
 
     docs = check_documents([5, 1, 10], seq_len=16)
     docs.ids.tolist()        # [0, 0, 0, 0, 0, 1, 2, 2, ...]

@@ -39,7 +39,6 @@ chosen layout's balance (:mod:`.ulysses`). ``layout.ring`` is that R-rank layout
 from __future__ import annotations
 
 import math
-import random
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -49,7 +48,7 @@ import torch
 
 from ringray.attention.balance import balanced_ranges, whole_ranges
 from ringray.attention.documents import Documents, check_documents
-from ringray.attention.rounds import modelled_time
+from ringray.attention.numbering import best_numbering
 
 # The layouts a job spec may name (each works for any document lengths).
 BUILTIN_LAYOUTS = ("contiguous", "zigzag", "striped")
@@ -320,37 +319,15 @@ def _from_ranges(kind: str, seq_len: int, ranges: list[list[tuple[int, int]]]) -
     return Layout(kind, len(ranges), seq_len, pos, tuple(runs))
 
 
-# ``whole`` tries this many numberings of its ranks (the first: as built), on rings of at most
-# NUMBERING_MAX_RANKS.
-NUMBERINGS = 32
-NUMBERING_MAX_RANKS = 16
-
-
 def _numbered(layout: Layout, documents: Documents) -> Layout:
-    """``layout`` with its ranks' shares renumbered so that the ring's rounds wait least.
-
-    Which rank holds which share changes neither the work per rank nor the bytes, but it
-    changes who exchanges with whom in which round, and so how long a rank balanced in
-    total but not per step waits for its peers. Of :data:`NUMBERINGS` numberings (as built,
-    then seeded shuffles: the same on every rank), the one with the shortest modelled call
-    (:func:`~ringray.attention.rounds.modelled_time`) is kept; rings of more than
-    :data:`NUMBERING_MAX_RANKS` keep the numbering as built."""
-    world = layout.world_size
-    if world <= 2 or world > NUMBERING_MAX_RANKS:
-        return layout
-    work = block_work(layout, documents)
-    rng = random.Random(0)
-    best, best_time = list(range(world)), modelled_time(work)
-    for _ in range(NUMBERINGS - 1):
-        order = list(range(world))
-        rng.shuffle(order)
-        time = modelled_time([[work[a][b] for b in order] for a in order])
-        if time < best_time:
-            best, best_time = order, time
-    if best == list(range(world)):
+    """``layout`` with its ranks' shares renumbered so that the ring's rounds wait least
+    (the layout optimiser's :func:`~.numbering.best_numbering` over its block-work
+    matrix)."""
+    best = best_numbering(block_work(layout, documents))
+    if best == list(range(layout.world_size)):
         return layout
     runs = layout._given_runs
-    return Layout(layout.kind, world, layout.seq_len, layout._positions[best],
+    return Layout(layout.kind, layout.world_size, layout.seq_len, layout._positions[best],
                   None if runs is None else tuple(runs[r] for r in best))
 
 

@@ -33,7 +33,7 @@ total but not per step, the transfer plan instead spreads the own block over the
 which this rank would wait for a peer (:meth:`TransferPlan.own_schedule`), so that it fills
 those waits: each such step computes exactly its share, the block cut by query rows only
 where a share ends inside a piece. Each step's pieces (see
-:mod:`ringray.attention.steps`) go to the local kernel and merge into float32 (out, LSE)
+:mod:`ringray.attention.pieces`) go to the local kernel and merge into float32 (out, LSE)
 accumulators with the online-softmax rule. A backend with the fused ring-step capability
 (:class:`~ringray.attention.backends.FusedStepBackend`, e.g. ``triton``) instead gets the
 whole block pair with its global positions, once per step, and merges inside its kernel;
@@ -66,9 +66,10 @@ from ringray.attention.comm import PendingExchange, RingComm
 from ringray.attention.documents import Documents
 from ringray.attention.layouts import Layout
 from ringray.attention.merge import merge_into
+from ringray.attention.pieces import Piece, PieceKind, RankPlan, plan_rank, split_pieces
 from ringray.attention.stats import NULL_TIMER, RingCallRecord, RingStats, StepTimer
-from ringray.attention.steps import Piece, PieceKind, RankPlan, plan_rank, split_pieces
-from ringray.attention.transfers import TransferPlan, plan_transfers
+from ringray.attention.transfer_plan import TransferPlan
+from ringray.attention.transfers import plan_transfers
 from ringray.attention.ulysses import (
     UlyssesComm,
     check_grid,

@@ -5,7 +5,7 @@
 
 A pair that does not run is empty (never computed); one that runs and does not straddle is
 computed without a mask; only straddling pairs need the per-token mask. The step planner
-(:func:`~ringray.attention.steps.plan_tiles`, CPU, for the sdpa and reference backends)
+(:func:`~ringray.attention.pieces.plan_tiles`, CPU, for the sdpa and reference backends)
 and the Triton tile lists (:mod:`~ringray.attention.backends.triton_tiles`, on the device)
 call the same functions, so the two cannot disagree about which tiles are skipped. Pure
 torch: no Triton import.
@@ -69,7 +69,7 @@ def classify_tile_pair(q: TileRanges, k: TileRanges, causal: bool,
     document on both sides, every key at or before every query when causal and within the
     window of every query): then the scores need the per-token mask (:func:`visible`); a
     pair that runs and does not straddle is computed unmasked.
-    The step planner (:func:`ringray.attention.steps.plan_tiles`) and the Triton tile lists
+    The step planner (:func:`ringray.attention.pieces.plan_tiles`) and the Triton tile lists
     (:mod:`ringray.attention.backends.triton_tiles`) both classify with it.
     """
     shape = (q.num_tiles, k.num_tiles)

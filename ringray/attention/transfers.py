@@ -21,10 +21,11 @@ plain ring's N - 1 messages per rank, each sent from its owner at ring distance 
 owner reads only the owner's early chunk, so those messages carry half a block.
 
 Rounds. The (source, reader) pairs are grouped into rounds in which every rank sends at most
-one block and receives at most one (a matching: :func:`transfer_rounds`), so a rank needs
-two receive buffers whatever the pattern (one computed on, one filling), and in the backward
-one buffer for an incoming dK/dV sum. Each round is filled greedily by augmenting paths,
-readers with the most blocks still to come first and nearer ring distances preferred, so a
+one block and receives at most one (a matching: :func:`~.transfer_plan.transfer_rounds`), so
+a rank needs two receive buffers whatever the pattern (one computed on, one filling), and in
+the backward one buffer for an incoming dK/dV sum. Each round is filled greedily by
+augmenting paths, readers with the most blocks still to come first and nearer ring distances
+preferred, so a
 rank's receives come in its first rounds, one after another, and each transfer hides behind
 the previous block's compute.
 
@@ -33,7 +34,7 @@ round (or its own block first), and waits; rounds in which it neither sends nor 
 skipped, so a rank that reads little does little. A message completes only once both its
 ranks have posted it, so a layout balanced in total but not per step makes ranks wait for
 busy peers; the own block, which needs no message, then fills those waits instead of being
-computed first (:func:`own_schedules`). Every rank posts its rounds in the same
+computed first (:func:`~.transfer_plan.own_schedules`). Every rank posts its rounds in the same
 (ascending) order and each round's sends and receives pair up within the round, so no rank
 waits on a message that its peer posts only later: no deadlock, on gloo or NCCL.
 
@@ -56,21 +57,7 @@ import torch
 
 from ringray.attention.documents import Documents
 from ringray.attention.layouts import Layout, block_work
-from ringray.attention.rounds import (  # re-exported: the plan's data and rounds
-    FILL_GAIN,
-    Exchange,
-    Pair,
-    Rows,
-    Step,
-    TransferCounts,
-    TransferPlan,
-    modelled_time,
-    own_schedules,
-    transfer_rounds,
-)
-
-__all__ = ["FILL_GAIN", "Exchange", "Pair", "Rows", "Step", "TransferCounts", "TransferPlan",
-           "modelled_time", "own_schedules", "plan_transfers", "read_rows", "transfer_rounds"]
+from ringray.attention.transfer_plan import Pair, Rows, TransferPlan, transfer_rounds
 
 
 def plan_transfers(

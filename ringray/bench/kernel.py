@@ -38,7 +38,7 @@ from rich.table import Table
 from ringray.attention import make_layout
 from ringray.attention.backends.common import expand_kv_heads, softmax_delta
 from ringray.attention.backends.reference import ReferenceBackend
-from ringray.attention.steps import PieceKind, plan_rank
+from ringray.attention.pieces import PieceKind, plan_rank
 
 # Backward FLOPs as a multiple of the forward's: five matrix products against two.
 BACKWARD_FLOP_RATIO = 2.5

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 from ringray.attention.documents import Documents, check_documents
 from ringray.attention.layouts import Layout, block_work
-from ringray.attention.transfers import TransferPlan, plan_transfers
+from ringray.attention.transfer_plan import TransferPlan
+from ringray.attention.transfers import plan_transfers
 
 
 @dataclass(frozen=True, kw_only=True)

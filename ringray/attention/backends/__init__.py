@@ -1,7 +1,7 @@
 """Local block-attention backends behind one interface.
 
 A backend computes attention of a query block against one key/value block, for one
-:class:`~ringray.attention.steps.PieceKind`, and returns the output with its natural-log LSE;
+:class:`~ringray.attention.pieces.PieceKind`, and returns the output with its natural-log LSE;
 its backward takes the *final* (ring-global) output and LSE of those query rows, which makes
 the per-block gradients exact partial sums (the flash-attention backward identity).
 
@@ -32,7 +32,7 @@ import torch
 from ringray.attention.backends.common import BlockPairKey
 from ringray.attention.backends.reference import ReferenceBackend
 from ringray.attention.backends.sdpa import SdpaBackend
-from ringray.attention.steps import PieceKind
+from ringray.attention.pieces import PieceKind
 
 
 class BlockAttentionBackend(Protocol):

@@ -16,7 +16,7 @@ from ringray.attention.backends.common import (
     reduce_kv_heads,
     softmax_delta,
 )
-from ringray.attention.steps import PieceKind
+from ringray.attention.pieces import PieceKind
 
 
 class ReferenceBackend:

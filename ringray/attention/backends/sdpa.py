@@ -35,7 +35,7 @@ from ringray.attention.backends.common import (
     reduce_kv_heads,
 )
 from ringray.attention.merge import merge_into
-from ringray.attention.steps import PieceKind
+from ringray.attention.pieces import PieceKind
 
 CPU_CAUSAL_LEAF = 128
 

@@ -30,7 +30,7 @@ from ringray.attention.backends.common import BlockPairKey, softmax_delta
 from ringray.attention.backends.triton_backward import block_backward
 from ringray.attention.backends.triton_common import SUPPORTED_DTYPES, kernels_interpreted
 from ringray.attention.backends.triton_forward import block_forward
-from ringray.attention.steps import PieceKind
+from ringray.attention.pieces import PieceKind
 
 
 class TritonBackend:

@@ -1,9 +1,10 @@
-"""The transfer plan's data and rounds, apart from the layout: who sends which K/V block to
-whom in which round (:class:`TransferPlan`, :func:`transfer_rounds`), each rank's steps, and
-where a rank computes its own block (:func:`own_schedules`, a timeline model of the call).
-:mod:`.transfers` builds plans from a layout and a mask and re-exports all of this; it lives
-here so that :mod:`.layouts` can score rank numberings (:func:`modelled_time`) without an
-import circle.
+"""The transfer plan and its timeline model, apart from any layout: who sends which K/V
+block to whom in which round (:class:`TransferPlan`, :func:`transfer_rounds`), each rank's
+steps (:class:`Step`: one ring step), and where a rank computes its own block
+(:func:`own_schedules`, a timeline model of the call, also :func:`modelled_time`, which the
+layout optimiser uses to number a layout's ranks: :mod:`.numbering`). Plain data in, frozen
+dataclasses out; nothing here imports a layout. :func:`.transfers.plan_transfers` builds a
+plan from a layout and a mask (the rule is described there).
 """
 
 from __future__ import annotations
