@@ -19,6 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import ray
+from progress import prompt
 from ray.cluster_utils import Cluster
 from train_cases import changed, tiny_options
 
@@ -118,10 +119,12 @@ def job_options(run_dir: str, **sections: dict) -> TrainOptions:
 
 
 def cluster_options(tag: str, **overrides) -> ClusterOptions:
-    """Workers that ask for ``tag`` (only this test's nodes offer it), short timeouts."""
+    """Workers that ask for ``tag`` (only this test's nodes offer it), short timeouts; the
+    startup's stretches with the machine's load (a loaded CI machine starts Ray workers that
+    much slower: 90 s on a quiet one failed an autoscaling test at a load of 5 on 2 cores)."""
     base = ClusterOptions(
         worker_resources={"CPU": 1.0, tag: 1.0},
-        step_timeout_seconds=60, startup_timeout_seconds=90, capacity_wait_seconds=30,
+        step_timeout_seconds=60, startup_timeout_seconds=prompt(90), capacity_wait_seconds=30,
         poll_seconds=0.2, request_resources=False,
     )
     return replace(base, **overrides)
