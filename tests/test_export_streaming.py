@@ -103,3 +103,33 @@ def test_exported_files_have_the_permissions_of_any_new_file(tmp_path: Path) -> 
         names = write_safetensors(tensors, str(out), max_shard_bytes=max_shard_bytes)
         assert {name: (out / name).stat().st_mode & 0o777 for name in names} == \
             dict.fromkeys(names, want)
+
+
+def test_a_stream_that_fails_under_a_read_is_an_os_error(tmp_path: Path, monkeypatch) -> None:
+    """A ValueError a library raises while reading a stream ("I/O operation on closed file")
+    said nothing about the file: it is an OSError naming the file (retried by the service),
+    not a ValueError (taken as bad input, never retried; issue 40)."""
+    import io
+
+    import fsspec
+
+    from ringray.model.safetensors_io import SafetensorsCheckpoint
+
+    root = f"memory://{tmp_path.name}"  # a remote store: read by byte ranges
+    write_safetensors({"w": torch.ones(4, 4)}, root, max_shard_bytes=10**9)
+    checkpoint = SafetensorsCheckpoint(root)
+    memory = fsspec.implementations.memory.MemoryFileSystem
+    real_open = memory.open
+
+    def closed_under_the_read(self, path, mode="rb", **kwargs):
+        if "r" not in mode:
+            return real_open(self, path, mode, **kwargs)
+        stream = io.BytesIO(b"bytes")  # a stream its library closed before the read
+        stream.close()
+        return stream
+
+    monkeypatch.setattr(memory, "open", closed_under_the_read)
+    with pytest.raises(OSError, match=r"model\.safetensors: reading bytes \d+-\d+ failed: "
+                                      r"ValueError: I/O operation on closed file") as info:
+        checkpoint.read("w")
+    assert not isinstance(info.value, ValueError)
