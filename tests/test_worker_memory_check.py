@@ -62,7 +62,8 @@ def test_the_workers_plan_what_ringray_plan_plans(section: dict) -> None:
     dp, cp = options.parallel.dp, options.parallel.cp
     for on_gpu in (False, True):
         bf16 = capacity.runs_bf16(options.train.precision, on_gpu=on_gpu)
-        inputs = PlanInputs.of_mesh(options, dp=dp, cp=cp, name="job", bf16=bf16)
+        inputs = PlanInputs.of_mesh(options, dp=dp, cp=cp, name="job", bf16=bf16,
+                                    foreach=on_gpu)
         assert planned_footprint(options, dp=dp, cp=cp, on_gpu=on_gpu) == plan_footprint(inputs)
     assert capacity.check_worker_memory is check_worker_memory
     assert capacity.WorkerShare is WorkerShare

@@ -69,10 +69,13 @@ def predicted_memory(options: TrainOptions, *, bf16: bool) -> Footprint:
     """The plan's memory of one rank of ``options`` (dp and cp set), at the precision the
     trainer resolved (``bf16``: bf16 compute)."""
     dp, cp, train = options.parallel.dp, options.parallel.cp, options.train
+    replicas = options.parallel.dp_replicate
     return rank_footprint(
-        options.model, local_tokens=train.global_batch // dp * (train.seq_len // cp), cp=cp,
+        options.model,
+        local_tokens=train.global_batch // (dp * replicas) * (train.seq_len // cp), cp=cp,
         shards=dp * cp if options.parallel.fsdp else 1, bf16=bf16,
-        checkpointing=train.activation_checkpointing)
+        checkpointing=train.activation_checkpointing, ranks=dp * cp,
+        foreach=torch.cuda.is_available())
 
 
 def live_tensor_bytes(trainer: Trainer) -> int:

@@ -78,7 +78,8 @@ def plan_footprint(inputs: PlanInputs, *, cp: int | None = None,
     return rank_footprint(
         inputs.model, local_tokens=inputs.local_batch * (inputs.seq_len // cp), cp=cp,
         shards=inputs.shards(cp), bf16=inputs.bf16,
-        checkpointing=inputs.activation_checkpointing, ulysses=ulysses)
+        checkpointing=inputs.activation_checkpointing, ulysses=ulysses,
+        ranks=inputs.dp * cp, foreach=inputs.foreach)
 
 
 def memory_breakdown(inputs: PlanInputs, device: Accelerator, *, cp: int | None = None,

@@ -30,6 +30,9 @@ class PlanInputs:
     documents: tuple[int, ...] | None = None
     documents_spec: str | None = None
     packs_documents: bool = False  # the job's data.documents
+    # AdamW's foreach update (torch's default on CUDA: a temporary the size of the local
+    # parameters); False on CPU, where it runs a tensor at a time (ringray.train.footprint)
+    foreach: bool = True
 
     @property
     def ring_size(self) -> int:
@@ -76,8 +79,9 @@ class PlanInputs:
 
     @classmethod
     def of_mesh(cls, options: TrainOptions, *, dp: int, cp: int, name: str,
-                bf16: bool) -> PlanInputs:
-        """The inputs at a known mesh and precision (``ringray train`` knows both)."""
+                bf16: bool, foreach: bool = True) -> PlanInputs:
+        """The inputs at a known mesh and precision (``ringray train`` knows both);
+        ``foreach``: the workers run on accelerators (AdamW's foreach update)."""
         ulysses = options.parallel.ulysses
         if cp % ulysses:
             raise PlanError(f"parallel.ulysses: {ulysses} does not divide the inferred cp = "
@@ -88,4 +92,5 @@ class PlanInputs:
             global_batch=train.global_batch, dp=dp, cp=cp, layout=options.layout_kind,
             bf16=bf16, activation_checkpointing=train.activation_checkpointing,
             fsdp=options.parallel.fsdp, ulysses=ulysses, packs_documents=options.data.documents,
+            foreach=foreach,
         )

@@ -33,10 +33,12 @@ The accounting follows what :mod:`ringray.train.trainer` allocates:
   hands attention's output back as a new tensor (the output projection's input), one more
   ``ahe`` per token; and the backward's all-to-all of dq/dk/dv holds four copies of them at
   once (its input, send and receive buffers, and its output).
-- **Step transients.** After the backward (when the activations are freed) AdamW's foreach
-  update allocates a float32 temporary the size of the (local) parameters, and a replicated
-  run's gradient all-reduce a flat float32 buffer of every gradient first: 4 bytes per local
-  parameter.
+- **Step transients** (:func:`step_transient_bytes`). After the backward (when the
+  activations are freed) AdamW's foreach update (CUDA) allocates a float32 temporary the size
+  of the (local) parameters, its per-tensor update (CPU) about two of the largest parameter,
+  and a replicated group's gradient all-reduce a flat float32 buffer of every gradient first
+  (4 bytes per local parameter, when the group has more than one rank). The replica groups'
+  average runs in 25 MiB buckets and adds nothing.
 - **The peak** (:class:`Footprint`): gradients fill in as the backward frees activations,
   so the peak is the weights and AdamW state plus the largest of the backward's start
   (every activation, the first gradients, and the loss chunk's or a block's working set),
@@ -318,13 +320,42 @@ class Footprint:
         return self.weights_bytes + self.gradients_bytes + self.optimizer_bytes
 
 
+def largest_param(cfg: ModelConfig) -> int:
+    """Elements of the model's largest parameter (the embedding, or a block's matrix)."""
+    attn = cfg.dim * cfg.head_dim * max(cfg.n_heads, cfg.n_kv_heads)
+    return max(cfg.vocab_size * cfg.dim, cfg.dim * cfg.ffn_hidden, attn)
+
+
+def step_transient_bytes(cfg: ModelConfig, *, shards: int, ranks: int | None,
+                         foreach: bool) -> int:
+    """The float32 temporaries of the step after the backward, the largest of:
+
+    - AdamW's update: with ``foreach`` (torch's default on CUDA) one temporary the size of
+      the local parameters at once; one tensor at a time otherwise (torch's default on CPU),
+      about two of the largest local parameter (measured: 262 MiB beside a 125 MiB
+      embedding, benchmarks/replica_memory.py);
+    - a replicated group's gradient all-reduce (``ranks`` > 1, or ``None``: not known, so
+      counted), which copies every gradient into one flat buffer first.
+
+    Replica groups add nothing here: their average runs in buckets of at most
+    ``ringray.train.replicas.AVERAGE_BUCKET_BYTES``, two in flight."""
+    local_params = math.ceil(cfg.num_params() / shards)
+    adamw = 4 * local_params if foreach else 2 * 4 * math.ceil(largest_param(cfg) / shards)
+    flat = 4 * local_params if shards == 1 and (ranks is None or ranks > 1) else 0
+    return max(adamw, flat)
+
+
 def rank_footprint(cfg: ModelConfig, *, local_tokens: int, cp: int, shards: int, bf16: bool,
                    checkpointing: Checkpointing, ulysses: int = 1,
-                   loss_chunk_tokens: int = LOSS_CHUNK_TOKENS) -> Footprint:
+                   loss_chunk_tokens: int = LOSS_CHUNK_TOKENS, ranks: int | None = None,
+                   foreach: bool = True) -> Footprint:
     """One rank's memory with ``local_tokens`` tokens (its sequences' shares over ``cp``
     ranks, a ring of cp / ``ulysses`` Ulysses groups), weights split ``shards`` ways (dp × cp
     with FSDP, 1 replicated), bf16 compute (autocast when replicated, FSDP's bf16 weights
-    when sharded) or float32, the loss computed ``loss_chunk_tokens`` tokens at a time."""
+    when sharded) or float32, the loss computed ``loss_chunk_tokens`` tokens at a time.
+    ``ranks`` (dp × cp of one world; ``None``: more than one) and ``foreach`` (AdamW's
+    foreach update: CUDA; ``False`` on CPU) size the step's temporaries
+    (:func:`step_transient_bytes`)."""
     sharded = shards > 1
     local_params = math.ceil(cfg.num_params() / shards)
     autocast_copies = 2 * _matmul_params(cfg) if bf16 and not sharded else 0
@@ -342,7 +373,8 @@ def rank_footprint(cfg: ModelConfig, *, local_tokens: int, cp: int, shards: int,
                                   chunk_tokens=loss_chunk_tokens)
     last_block_kept = local_tokens * _layer_kept(cfg, **terms)
     gathered = gathered_bytes(cfg, bf16=bf16) if sharded else 0
-    gradients, transient = 4 * local_params, 4 * local_params
+    gradients = 4 * local_params
+    transient = step_transient_bytes(cfg, shards=shards, ranks=ranks, foreach=foreach)
     first_gradients = 4 * math.ceil(sum(_root_and_block_params(cfg)) / shards)
     moments = {"backward start": first_gradients + kept + max(working, loss_chunk) + gathered,
                "backward end": gradients + last_block_kept + working + gathered,

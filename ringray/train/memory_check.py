@@ -96,7 +96,8 @@ def planned_footprint(options: TrainOptions, *, dp: int, cp: int, on_gpu: bool) 
         options.model, local_tokens=local_tokens, cp=cp,
         shards=dp * cp if parallel.fsdp else 1,
         bf16=runs_bf16(train.precision, on_gpu=on_gpu),
-        checkpointing=train.activation_checkpointing, ulysses=parallel.ulysses)
+        checkpointing=train.activation_checkpointing, ulysses=parallel.ulysses,
+        ranks=dp * cp, foreach=on_gpu)
 
 
 def check_worker_memory(options: TrainOptions, *, dp: int, cp: int, on_gpu: bool,
