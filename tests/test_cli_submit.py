@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from distributed import free_loopback_port
+from progress import prompt
 from ray_cluster import stop_processes_under
 
 pytestmark = pytest.mark.timeout(600)
@@ -162,13 +163,13 @@ def test_stop_while_waiting_for_capacity_stops_within_seconds(ray_head: str,
         "--set", "cluster.capacity_wait_seconds=300", "--run-dir", str(run_dir)))
     job = submitted.stdout.strip()
     events = run_dir / "events.jsonl"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + prompt(120)  # stretched by the load beyond the cores
     while not (events.exists() and "waiting for capacity" in events.read_text()):
         assert time.monotonic() < deadline, _ringray("logs", job, *address).stdout[-3000:]
         time.sleep(0.5)
-    asked = time.monotonic()
+    asked, allowed = time.monotonic(), prompt(30)
     stopped = _ok(_ringray("stop", job, *address))
-    assert time.monotonic() - asked < 30
+    assert time.monotonic() - asked < allowed
     assert f"{job}: STOPPED" in stopped.stderr
     assert "stopped before the job was placed" in events.read_text()
 
