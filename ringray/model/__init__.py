@@ -8,6 +8,7 @@ Hugging Face checkpoints in and out.
 from ringray.model.config import MODEL_PRESETS, ModelConfig, model_preset
 from ringray.model.hf import (
     ARCHITECTURES,
+    all_finite,
     check_hf_weights,
     config_from_hf,
     config_to_hf,
@@ -32,6 +33,7 @@ from ringray.model.rope import (
 from ringray.model.safetensors_io import SafetensorsCheckpoint, write_safetensors
 
 __all__ = [
+    "all_finite",
     "ARCHITECTURES",
     "check_hf_weights",
     "MODEL_PRESETS",

@@ -389,9 +389,19 @@ def load_hf_weights(model: Transformer, checkpoint: SafetensorsCheckpoint | str)
     params = dict(model.named_parameters())
     by_hf_name = {hf_name: params[name] for name, hf_name in hf_parameter_names(model).items()}
     for hf_name, tensor in checkpoint.tensors(by_hf_name):
-        if not torch.isfinite(tensor).all():
+        if not all_finite(tensor):
             raise ValueError(nonfinite_tensor_message(checkpoint.root, hf_name))
         by_hf_name[hf_name].copy_(tensor)
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` holds no NaN and no infinity, by its minimum and maximum (a NaN
+    makes both NaN, an infinity one of them): a reduction, with no temporary the size of the
+    tensor (``isfinite`` would make several beside a shard being filled)."""
+    if tensor.numel() == 0:
+        return True
+    low, high = torch.aminmax(tensor.detach())
+    return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
 
 
 def nonfinite_tensor_message(root: str, hf_name: str) -> str:

@@ -69,7 +69,7 @@ from ringray.data import (
     Tokenizer,
     make_source,
 )
-from ringray.model import RingContext, Transformer
+from ringray.model import RingContext, Transformer, all_finite
 from ringray.train.checkpoint import (
     CheckpointError,
     CheckpointRef,
@@ -532,7 +532,7 @@ class Trainer:
         """The name of a parameter holding a NaN or an infinity on any rank (the first in
         rank order, then model order), else ``None``; the same answer on every rank."""
         bad = next((name for name, param in self.model.named_parameters()
-                    if not torch.isfinite(local_tensor(param.detach())).all()), None)
+                    if not all_finite(local_tensor(param.detach()))), None)
         if not self.mesh.distributed:
             return bad
         found: list[str | None] = [None] * self.mesh.shape.world_size
