@@ -245,15 +245,22 @@ def test_a_shard_changed_in_place_is_refused_naming_the_file(tmp_path: Path) -> 
     assert set(store.marker(newer)["crc32c"]) == set(store.marker(newer)["files"])
 
 
-def test_markers_without_checksums_still_load(tmp_path: Path) -> None:
-    """Checkpoints committed before checksums (marker format 2: sizes only) still verify
-    and load."""
+def _format_2_checkpoint(tmp_path: Path):
+    """A store with one checkpoint whose marker is rewritten as format 2 wrote it (sizes,
+    no checksums)."""
     store = CheckpointStore(str(tmp_path), lineage="run")
     ref = store.save(1, _state(1.0), keep=3)
     marker_path = Path(ref.location) / COMPLETE_MARKER
     marker = json.loads(marker_path.read_text())
     del marker["crc32c"]
     marker_path.write_text(json.dumps({**marker, "format": 2}))
+    return store, ref
+
+
+def test_markers_without_checksums_still_load(tmp_path: Path) -> None:
+    """Checkpoints committed before checksums (marker format 2: sizes only) still verify
+    and load."""
+    store, ref = _format_2_checkpoint(tmp_path)
     store.verify(ref)
     assert _loaded(store, ref)["note"] == "v1.0"
 
@@ -400,12 +407,7 @@ def test_without_checksums_an_unreadable_checkpoint_is_still_corrupt(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A format-2 marker vouches for sizes only: a failure inside dcp.load may be the bytes,
     so the restore falls back (CheckpointCorrupt), as before checksums."""
-    store = CheckpointStore(str(tmp_path), lineage="run")
-    ref = store.save(1, _state(1.0), keep=3)
-    marker_path = Path(ref.location) / COMPLETE_MARKER
-    marker = json.loads(marker_path.read_text())
-    del marker["crc32c"]
-    marker_path.write_text(json.dumps({**marker, "format": 2}))
+    store, ref = _format_2_checkpoint(tmp_path)
 
     def read_data(self, plan, planner):
         raise RuntimeError("unpickling stack underflow")
