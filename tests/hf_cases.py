@@ -164,3 +164,37 @@ def write_tokenizer(directory: Path, *, with_eos: bool = True) -> None:
     if with_eos:
         config["eos_token"] = {"content": "<|end_of_text|>", "special": True}
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def save_tiny_llama(path: Path, tokenizer, *, positions: int) -> None:
+    """A random 2-layer Llama (GQA, untied, sdpa) over ``tokenizer`` (a
+    ``tokenizers.Tokenizer`` holding ``<|begin_of_text|>`` and ``<|end_of_text|>``), saved
+    with ``save_pretrained`` under ``path`` with a tokenizer that prepends BOS, as an lm_eval
+    ``pretrained`` directory. Weights large enough that a wrong position shows."""
+    import transformers
+    from tokenizers import processors
+
+    bos = tokenizer.token_to_id("<|begin_of_text|>")
+    eos = tokenizer.token_to_id("<|end_of_text|>")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)])
+    path.mkdir(parents=True)
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|end_of_text|>"}))
+    config = transformers.LlamaConfig(
+        vocab_size=tokenizer.get_vocab_size(), hidden_size=32, intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=positions, rms_norm_eps=1e-6, bos_token_id=bos,
+        eos_token_id=eos, tie_word_embeddings=False)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+            else:
+                param.normal_(0.0, 0.3)
+    model.save_pretrained(path)

@@ -63,35 +63,9 @@ GREEDY_CONTEXTS = ["The grass", "The sky is", "Here we", "There and back", "12 3
 
 def save_checkpoint(path: Path) -> None:
     """A random 2-layer Llama (GQA, untied) and a byte-level BPE that prepends BOS."""
-    import transformers
-    from hf_cases import tiny_tokenizer
-    from tokenizers import processors
+    from hf_cases import save_tiny_llama, tiny_tokenizer
 
-    tokenizer = tiny_tokenizer()
-    bos = tokenizer.token_to_id("<|begin_of_text|>")
-    eos = tokenizer.token_to_id("<|end_of_text|>")
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)])
-    path.mkdir(parents=True)
-    tokenizer.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
-        "eos_token": "<|end_of_text|>"}))
-    config = transformers.LlamaConfig(
-        vocab_size=tokenizer.get_vocab_size(), hidden_size=32, intermediate_size=64,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=CONTEXT, rms_norm_eps=1e-6, bos_token_id=bos,
-        eos_token_id=eos, tie_word_embeddings=False)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():  # weights large enough that a wrong position shows
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.uniform_(0.5, 1.5)
-            else:
-                param.normal_(0.0, 0.3)
-    model.save_pretrained(path)
+    save_tiny_llama(path, tiny_tokenizer(), positions=CONTEXT)
 
 
 def instances(kind: str, arguments: list) -> list:

@@ -27,7 +27,7 @@ import sys
 
 import typer
 
-from ringray.cli import bench, dashboards, export, jobs, models, plan, report, train
+from ringray.cli import bench, dashboards, evaluate, export, jobs, models, plan, report, train
 
 
 class _OneLineErrors(typer.Typer):
@@ -70,6 +70,7 @@ app.command("logs")(jobs.logs)
 app.command("stop")(jobs.stop)
 app.command("resume")(jobs.resume)
 app.command("export")(export.export)
+app.command("eval")(evaluate.evaluate)
 app.add_typer(bench.app, name="bench")
 app.add_typer(dashboards.app, name="dashboards")
 app.add_typer(models.app, name="models")

@@ -10,6 +10,9 @@
 - :mod:`ringray.harness.lm`: :class:`RingLM`, lm_eval's ``ringray`` model (importing it
   registers the name; it needs lm_eval and transformers).
 - :mod:`ringray.harness.launch`: the local multi-process launcher (also under torchrun).
+- :mod:`ringray.harness.ruler`: RULER's tasks that run offline, and their data per length.
+- :mod:`ringray.harness.evaluate`: one evaluation of tasks x lengths on rank 0 of a ring, its
+  progress and its results (``ringray eval``).
 
 Importing this package imports nothing else: the launcher's parent process needs no torch,
 and the ranks that only serve forwards never load lm_eval.

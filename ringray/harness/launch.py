@@ -27,7 +27,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 DEFAULT_TIMEOUT_S = 1800.0
@@ -62,8 +62,10 @@ def run_lm_eval(arguments: Sequence[str]) -> None:
 
 def run_rank(rank: int, world_size: int, arguments: Sequence[str], *, init_method: str,
              backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S,
-             idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S) -> None:
-    """One rank: join the group, then rank 0 runs lm_eval and the others serve it."""
+             idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+             entry: Callable[[Sequence[str]], None] = run_lm_eval) -> None:
+    """One rank: join the group, then rank 0 runs ``entry(arguments)`` (lm_eval's command
+    line by default) and the others serve it."""
     import torch
     import torch.distributed as dist
 
@@ -79,7 +81,7 @@ def run_rank(rank: int, world_size: int, arguments: Sequence[str], *, init_metho
         use_groups(Groups(work=work, control=None))
         if rank == 0:
             try:
-                run_lm_eval(arguments)  # an error leaves here: the launcher ends the others
+                entry(arguments)  # an error leaves here: the launcher ends the others
             except SystemExit as exc:  # --help, or a command that ends early but well
                 if exc.code not in (None, 0):
                     raise
@@ -91,26 +93,30 @@ def run_rank(rank: int, world_size: int, arguments: Sequence[str], *, init_metho
 
 
 def _rank_entry(rank: int, world_size: int, arguments: list[str], port: int, backend: str,
-                timeout_s: float, idle_timeout_s: float, threads: int) -> None:
+                timeout_s: float, idle_timeout_s: float, threads: int,
+                entry: Callable[[Sequence[str]], None]) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # local ranks: loopback only
     import torch
 
     torch.set_num_threads(threads)
     run_rank(rank, world_size, arguments, init_method=f"tcp://127.0.0.1:{port}",
-             backend=backend, timeout_s=timeout_s, idle_timeout_s=idle_timeout_s)
+             backend=backend, timeout_s=timeout_s, idle_timeout_s=idle_timeout_s, entry=entry)
 
 
 def launch(cp: int, arguments: Sequence[str], *, backend: str = "gloo",
            timeout_s: float = DEFAULT_TIMEOUT_S, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
-           threads: int | None = None) -> int:
+           threads: int | None = None,
+           entry: Callable[[Sequence[str]], None] = run_lm_eval) -> int:
     """Start ``cp`` local ranks and wait for them; returns the exit status (0: all well,
-    else the first failed rank's). Only processes started here are ever stopped."""
+    else the first failed rank's). Rank 0 runs ``entry(arguments)``: lm_eval's command line
+    by default, or another module-level function (``ringray eval``'s). Only processes
+    started here are ever stopped."""
     threads = threads or max(1, (os.cpu_count() or 1) // cp)
     ctx = mp.get_context("spawn")
     port = _free_port()
     procs = [ctx.Process(target=_rank_entry, name=f"ringray-harness-rank{rank}",
                          args=(rank, cp, list(arguments), port, backend, timeout_s,
-                               idle_timeout_s, threads))
+                               idle_timeout_s, threads, entry))
              for rank in range(cp)]
     for proc in procs:
         proc.start()
