@@ -151,6 +151,7 @@ def test_submit_status_logs_stop_and_resume(ray_head: str, tmp_path: Path) -> No
         statuses.items()
 
 
+@pytest.mark.slow
 def test_stop_while_waiting_for_capacity_stops_within_seconds(ray_head: str,
                                                               tmp_path: Path) -> None:
     """A job whose workers need a resource no node has waits for capacity (up to 300 s);

@@ -168,6 +168,7 @@ def test_ctrl_c_checkpoints_and_stops(tmp_path: Path) -> None:
     assert list((run_dir / "checkpoints").glob(f"step_{last:08d}-*"))
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_process_group_stops_like_ctrl_c(tmp_path: Path) -> None:
     """What `timeout` and systemd send: SIGTERM to every process of the command, Ray's own
     included. The job checkpoints and stops, the command exits promptly with 143 (128 +
@@ -200,6 +201,7 @@ def test_sigterm_to_the_process_group_stops_like_ctrl_c(tmp_path: Path) -> None:
     assert took < allowed
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_the_evaluation_ends_it_promptly(tmp_path: Path) -> None:
     """A long passkey evaluation (after the final checkpoint): Ctrl-C abandons it at once and
     says so, instead of promising a checkpoint at a step boundary that will not come."""

@@ -64,6 +64,7 @@ def _assert_same_weights(got: dict, want: dict) -> None:
         torch.testing.assert_close(got[name], want[name], atol=0, rtol=0, msg=name)
 
 
+@pytest.mark.slow
 def test_a_drain_whose_checkpoint_fails_moves_from_the_previous_checkpoint(
     nodes, tmp_path: Path,
 ) -> None:
@@ -196,6 +197,7 @@ def test_a_full_disk_fails_once_naming_enospc_and_keeps_the_previous_checkpoint(
         subprocess.run(["umount", str(disk)], capture_output=True)
 
 
+@pytest.mark.slow
 def test_a_new_run_in_a_reused_run_directory_is_refused_or_moves_the_old_one_aside(
     nodes, tmp_path: Path,
 ) -> None:

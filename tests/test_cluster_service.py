@@ -148,6 +148,7 @@ def test_node_death_mid_run_recovers_to_the_uninterrupted_weights(nodes, tmp_pat
     _assert_same_weights(_final_weights(options), _uninterrupted_weights(options, tmp_path))
 
 
+@pytest.mark.slow
 def test_killed_worker_and_hung_worker_are_recovered(nodes, tmp_path: Path) -> None:
     """A worker process SIGKILLed, then (in the same job) a worker stopped inside a step with
     SIGSTOP: the first is seen as a dead actor, the second as a hang once the step timeout
@@ -232,6 +233,7 @@ def test_shrinks_on_node_loss_and_grows_back_once(nodes, tmp_path: Path) -> None
     assert logged == list(range(1, options.train.steps + 1))
 
 
+@pytest.mark.slow
 def test_fsdp_job_shrinks_and_reshards_on_node_loss(nodes, tmp_path: Path) -> None:
     """FSDP over dp 2 × cp 2 (each rank holds a quarter of the weights and AdamW state) on two
     2-slot nodes, dp range 1..2. One node is removed mid-run and not replaced: the job goes on
@@ -275,6 +277,7 @@ def test_fsdp_job_shrinks_and_reshards_on_node_loss(nodes, tmp_path: Path) -> No
                                torch.tensor(want), atol=0, rtol=0)
 
 
+@pytest.mark.slow
 def test_preemption_notice_checkpoints_then_moves(nodes, tmp_path: Path) -> None:
     """The node running the ring gets a drain notice with a 60 s deadline: the controller
     finishes the running step, checkpoints it (so nothing is lost), and restarts the ring on

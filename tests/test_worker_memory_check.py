@@ -138,6 +138,7 @@ def _quickstart(**train: int) -> TrainOptions:
     return changed(options, parallel={"cp": 2}, train=train)
 
 
+@pytest.mark.slow
 def test_a_job_that_cannot_fit_its_node_is_refused_on_the_cluster(local_cluster,
                                                                   tmp_path: Path) -> None:
     """A node whose memory (RINGRAY_NODE_MEMORY_BYTES) is the planned peak of one worker of
