@@ -25,7 +25,6 @@ from ray_cluster import (
     wait_until,
 )
 
-from ringray.cluster.errors import WorkerGroupFailure
 from ringray.cluster.job_options import JobOptions
 from ringray.cluster.placement import (
     NodeSnapshot,
@@ -34,8 +33,7 @@ from ringray.cluster.placement import (
     RankPlacement,
     RingCost,
 )
-from ringray.cluster.policy import Failure, FailureKind
-from ringray.cluster.replica_groups import ReplicatedWorkerGroup, replacement_plan, split_plan
+from ringray.cluster.replica_groups import replacement_plan, split_plan
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -118,76 +116,6 @@ def test_a_standby_without_replica_groups_is_one_line_and_ray_is_sized_for_the_s
     sizes = {standby: JobOptions(name="r", train=replicated, cluster=cluster_options(
         "t", replica_standby=standby)).workers_wanted for standby in (None, True, False)}
     assert sizes == {None: 6, True: 6, False: 4}
-
-
-class _Record:
-    """What a JobRecord is told, kept."""
-
-    def __init__(self) -> None:
-        self.events: list[str] = []
-        self.lost: list[int] = []
-
-    def event(self, message: str, *, exc: BaseException | None = None) -> None:
-        self.events.append(message)
-
-    def replica_lost(self, index: int, *, reason: str, detail: str, left: int) -> None:
-        self.lost.append(index)
-
-    def workers(self, healths: tuple) -> None:
-        pass
-
-
-class _DigestGroup:
-    """A live replica group as a checkpoint's comparison sees it: its ranks' digests (or a
-    failure while computing them), whether it was told to fall behind, whether torn down."""
-
-    def __init__(self, digests: list[str] | None) -> None:
-        self.digests, self.behind, self.torn_down = digests, False, False
-
-    def state_digests(self) -> list[str]:
-        if self.digests is None:
-            raise WorkerGroupFailure(Failure(kind=FailureKind.ACTOR_DIED, detail="rank 0 died"))
-        return self.digests
-
-    def fall_behind(self) -> None:
-        self.behind = True
-
-    def ask_to_close(self) -> list:
-        return []
-
-    def teardown(self) -> None:
-        self.torn_down = True
-
-
-def test_a_group_whose_state_differs_at_a_checkpoint_falls_behind_and_one_that_dies_is_lost_alone(
-        tmp_path) -> None:
-    """At a checkpoint the current groups' digests are compared with the saving group's. A
-    group that differs is told to fall behind (it heals from a live peer at its next step:
-    tests/test_replicas.py::test_groups_that_would_average_different_weights_heal_first);
-    it used to be a warning only, and the groups went on averaging different weights. A
-    group that dies while computing its digest is lost alone (its replacement starts) where
-    the whole job used to restart from its checkpoint."""
-    options = job_options(str(tmp_path), parallel={"dp": 1, "cp": 1, "dp_replicate": 4},
-                          train={"global_batch": 4})
-    record = _Record()
-    groups = ReplicatedWorkerGroup(JobOptions(name="r", train=options,
-                                              cluster=cluster_options("t")),
-                                   record, should_stop=lambda: False)
-    replaced = []
-    groups._replace = replaced.append  # the replacement's start, which needs Ray
-    members = {0: _DigestGroup(["a", "b"]), 1: _DigestGroup(None), 2: _DigestGroup(["a", "x"]),
-               3: _DigestGroup(["a", "b"])}
-    groups.members = dict(members)
-    groups.stepped = dict.fromkeys(members, 8)
-    try:
-        groups._compare_states(8)
-    finally:
-        groups.close()
-    assert [index for index, group in members.items() if group.behind] == [2]
-    assert record.lost == [1] and members[1].torn_down and replaced == [1]
-    assert ("warning: replica groups 0, 2, 3 differ at step 8: group(s) 2 hold another state "
-            "than group 0, which saved it; they heal from a live peer at the next step"
-            ) in record.events
 
 
 # ----------------------------------------------------------------- on a cluster

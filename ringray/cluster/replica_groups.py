@@ -16,17 +16,32 @@ holds a step twice, and a step no group committed (a peer died inside it) is run
 here, not recorded.
 
 **A replica group fails** (its node dies, a rank is killed, it hangs past
-``cluster.step_timeout_seconds``): it alone is torn down and recorded; the others' next step
-commits without it (torchft's quorum leaves it out once its heartbeats stop,
-``cluster.replica_heartbeat_seconds``), its slices of the batch dropped for the steps it
-misses. A replacement is placed on the live nodes outside the survivors' slots, in a
-``cluster.failure_domain`` none of them uses where such free slots exist (else anywhere free,
-with a warning), in its own placement group, *in the background* while the survivors
-train; it starts with no checkpoint and at its first step heals from a live peer (weights,
-optimizer state, loader position, RNG, step), then trains with them. Replacements count against
-``cluster.max_failures``. Only when no replica group is left alive does a failure reach the
-machine, which then recovers as without replicas: every worker restarted, the last
+``cluster.step_timeout_seconds``), in a step, a checkpoint, the state-digest comparison, a
+poll or an evaluation: while another group holds the job's state it alone is torn down and
+recorded; the others' next step commits without it (torchft's quorum leaves it out once its
+heartbeats stop, ``cluster.replica_heartbeat_seconds``), its slices of the batch dropped for
+the steps it misses. A replacement is placed on the live nodes outside the survivors' slots, in
+a ``cluster.failure_domain`` none of them uses where such free slots exist (else anywhere free,
+with a warning), in its own placement group, *in the background* while the survivors train;
+it starts with no checkpoint and at its first step heals from a live peer (weights, optimizer
+state, loader position, RNG, step), then trains with them. A replacement that cannot start
+is tried again :data:`REPLACE_RETRY_SECONDS` later. Losses count against
+``cluster.max_failures``. Only when no group holding the job's state is left does a failure
+reach the machine, which then recovers as without replicas: every worker restarted, the last
 checkpoint restored (two groups of two dying together take this path).
+
+**The slots** (:mod:`ringray.cluster.replica_slots`). Each group's place is one state:
+``Starting`` (its call in flight, the generation it started in), ``Joining`` (a replacement
+built, not yet past the job's step), ``Live`` (at the step it last committed) or ``Lost``
+(its replacement due at a retry time); besides them, the standby's state, the generation
+(teardowns so far), the losses and the job's step. That state is read and changed on the
+caller's thread only (the controller's machine thread), by pure transitions; the pool's
+threads run the Ray calls (start, prepare, join, build, step) and hand back a value or an
+exception through their futures, which the caller's thread applies as events. A teardown
+starts a new generation: the starts in flight are cancelled where they have not begun, their
+groups torn down where they are, and they are waited for (at most
+:data:`TEARDOWN_WAIT_SECONDS`) so that what they made meanwhile is torn down too; one that
+returns later, however late, is torn down, never adopted.
 
 **The Lighthouse** (torchft's quorum server) is an actor on the head node, started anew
 before the groups at every start (the machine's restarts included) and kept while a lost
@@ -36,22 +51,30 @@ waits for every group.
 
 **Checkpoints and the passkey evaluation** are taken by one replica group, the lowest index
 among those that trained the current step, while the others wait: the state is the same in
-each. Placement: the R × dp rings come from one plan, which spreads rings over
-``cluster.failure_domain`` where the nodes have one; replica group r gets rings r × dp to
-(r + 1) × dp - 1. Fewer domains than groups is a warning, not an error.
+each (one that fails is lost alone, and the next takes its place). Placement: the R × dp
+rings come from one plan, which spreads rings over ``cluster.failure_domain`` where the nodes
+have one; replica group r gets rings r × dp to (r + 1) × dp - 1. Fewer domains than groups is
+a warning, not an error.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import (
+    FIRST_COMPLETED,
+    FIRST_EXCEPTION,
+    CancelledError,
+    Future,
+    ThreadPoolExecutor,
+    wait,
+)
 from dataclasses import replace
+from functools import partial
 
 import ray
 
-from ringray.cluster.errors import JobError, StopRequested, WorkerGroupFailure
+from ringray.cluster.errors import JobError, WorkerGroupFailure
 from ringray.cluster.job_options import JobOptions
 from ringray.cluster.nodes import HEAD_NODE_RESOURCE, schedulable_nodes
 from ringray.cluster.placement import (
@@ -63,6 +86,44 @@ from ringray.cluster.placement import (
 )
 from ringray.cluster.policy import Drain, Failure, FailureKind
 from ringray.cluster.record import JobRecord
+from ringray.cluster.replica_slots import (
+    Action,
+    AwaitStarts,
+    CallSent,
+    Cancel,
+    Due,
+    Escalate,
+    Event,
+    Formed,
+    GiveUp,
+    GroupFailed,
+    JobStepped,
+    Joining,
+    Live,
+    PrepareStandby,
+    Record,
+    RecordLost,
+    Replace,
+    Replicas,
+    SlotRules,
+    StandbyDropped,
+    StandbyFinished,
+    StandbyReady,
+    StandbyStarting,
+    StandbySubmitted,
+    StartFinished,
+    StartSubmitted,
+    StepReturned,
+    TearDown,
+    TornDown,
+    alive,
+    calls,
+    current,
+    holders,
+    joining,
+    reduce,
+    starts,
+)
 from ringray.cluster.worker_group import (
     CLOSE_SECONDS,
     RayWorkerGroup,
@@ -175,8 +236,8 @@ def _with_heals(stats: StepStats, same_step: list[StepStats]) -> StepStats:
 
 class _GroupRecord:
     """What one replica group's worker group records: its events, marked with the group, and
-    its workers, merged with the other groups' into the job's list. A standby's (``index``
-    None until it replaces a group) are kept out of the job's list until then."""
+    its workers, kept here until the controller's thread lists them with the job's (when the
+    group trains: a standby's, ``index`` None, and a replacement's still starting are not)."""
 
     def __init__(self, parent: ReplicatedWorkerGroup, index: int | None) -> None:
         self.parent, self.index = parent, index
@@ -188,58 +249,244 @@ class _GroupRecord:
 
     def workers(self, healths: tuple) -> None:
         self.healths = healths
-        if self.index is not None:
-            self.parent.group_workers(self.index, healths)
 
     def become(self, index: int) -> None:
-        """The standby takes group ``index``'s place: its workers join the job's list."""
+        """The standby takes group ``index``'s place (its events are marked so from now)."""
         self.index = index
-        self.parent.group_workers(index, self.healths)
+
+
+class RayLighthouse:
+    """The job's torchft Lighthouse actor, on the head node: started, asked, killed."""
+
+    def __init__(self, job: JobOptions, record: JobRecord) -> None:
+        self.job, self.record = job, record
+        self.actor = None
+
+    def start(self) -> str:
+        """A new Lighthouse (an older one killed first); returns its address."""
+        self.kill()
+        cluster = self.job.cluster
+        heartbeat_ms = round(cluster.replica_heartbeat_seconds * 1000)
+        self.actor = ray.remote(Lighthouse).options(
+            num_cpus=0, resources={HEAD_NODE_RESOURCE: 0.001}, max_restarts=0,
+            name=f"ringray-{self.job.name}-lighthouse").remote(
+            min_replicas=1, join_timeout_ms=heartbeat_ms, heartbeat_timeout_ms=heartbeat_ms)
+        return ray.get(self.actor.address.remote(), timeout=cluster.startup_timeout_seconds)
+
+    def answers(self) -> bool:
+        try:
+            ray.get(self.actor.address.remote(), timeout=10)
+            return True
+        except Exception:
+            return False
+
+    def kill(self) -> None:
+        if self.actor is not None:
+            try:
+                ray.kill(self.actor, no_restart=True)
+            except Exception as exc:
+                self.record.event(f"the torchft Lighthouse could not be killed: {exc}",
+                                  exc=exc)
+            self.actor = None
+
+
+def _membership(job: JobOptions, index: int, lighthouse: str | None,
+                address: tuple[str, int] | None) -> ReplicaMembership:
+    """Group ``index``'s place among the job's replica groups (``address``: its rank 0's
+    store)."""
+    cluster = job.cluster
+    return ReplicaMembership(index=index, count=job.replicas, lighthouse=lighthouse,
+                             store=address,
+                             timeout_seconds=max(1.0, cluster.step_timeout_seconds / 2),
+                             collective_timeout_seconds=cluster
+                             .replica_collective_timeout_seconds,
+                             quorum_timeout_seconds=cluster.step_timeout_seconds)
+
+
+# The calls run on the pool's threads: only Ray calls on the group they are given, and values
+# computed from what they were handed; a value or an exception is their only way back.
+def _start_and_build(group: RayWorkerGroup, place: Callable[[], tuple[PlacementPlan, str | None]],
+                     options: TrainOptions, run: RunPlan,
+                     membership: Callable[[tuple[str, int] | None], ReplicaMembership]
+                     ) -> str | None:
+    """A replacement from nothing: placed, started, built (no checkpoint: it heals at its
+    first step). Returns the placement's warning, if any."""
+    plan, warning = place()
+    group.start(plan)
+    group.build(options, run, replica=membership(group.address))
+    return warning
+
+
+def _join_and_build(group: RayWorkerGroup, options: TrainOptions, run: RunPlan,
+                    membership: Callable[[tuple[str, int] | None], ReplicaMembership]) -> None:
+    """The standby as a replacement: its workers form their process group and build."""
+    group.join_group()
+    group.build(options, run, replica=membership(group.address))
+
+
+def _prepare(group: RayWorkerGroup, place: Callable[[], tuple[PlacementPlan, str | None]]
+             ) -> tuple[str | None, str]:
+    """The standby's workers up, no process group: the placement's warning and its nodes."""
+    plan, warning = place()
+    group.prepare(plan)
+    return warning, ", ".join(sorted(plan.slots_by_node()))
+
+
+def _result(call: Future) -> tuple[BaseException | None, object]:
+    """A finished call's exception (a cancelled call's included) or value."""
+    try:
+        return None, call.result(timeout=0)
+    except CancelledError as exc:
+        return exc, None
+    except Exception as exc:
+        return exc, None
 
 
 class ReplicatedWorkerGroup:
-    """The job's replica groups, seen by the state machine as one worker group."""
+    """The job's replica groups, seen by the state machine as one worker group.
+
+    Every fact about the groups lives in :attr:`state` (:class:`~.replica_slots.Replicas`),
+    read and changed only on the caller's thread, through :func:`~.replica_slots.reduce`.
+    ``make_group``, ``live_nodes``, ``lighthouse`` and ``clock`` are seams for tests: a group
+    of workers by name and record, the live nodes, the Lighthouse, and monotonic time."""
 
     def __init__(self, job: JobOptions, record: JobRecord, *,
-                 should_stop: Callable[[], bool]) -> None:
+                 should_stop: Callable[[], bool],
+                 make_group: Callable[[str, _GroupRecord], RayWorkerGroup] | None = None,
+                 live_nodes: Callable[[], list[NodeSnapshot]] | None = None,
+                 lighthouse: RayLighthouse | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.job, self.record, self.should_stop = job, record, should_stop
         self.count = job.train.parallel.dp_replicate
         self.cluster = job.cluster
-        self.members: dict[int, RayWorkerGroup] = {}  # live groups, built
-        self.pending: dict[int, Future] = {}  # replacements starting, by group index
-        self.stepped: dict[int, int] = {}  # each live group's last committed step
-        self.inflight: dict[int, Future] = {}  # each live group's step call
-        self.joining: set[int] = set()  # replacements that have not committed a step yet
-        self.lighthouse = None
+        self.state = Replicas(rules=SlotRules(
+            count=self.count, max_failures=self.cluster.max_failures,
+            standby_wanted=self.cluster.replica_standby is not False,  # unset: when there is room
+            retry_seconds=REPLACE_RETRY_SECONDS))
+        self.lighthouse = lighthouse or RayLighthouse(job, record)
         self.lighthouse_address: str | None = None
         self.options: TrainOptions | None = None  # one group's options (its own dp)
         self.run: RunPlan | None = None
-        self.replacements = 0
-        self._generation = 0  # teardowns so far: a replacement of an older one is dropped
-        self._starting: dict[int, RayWorkerGroup] = {}  # replacements coming up, by index
-        self._retry_at: dict[int, float] = {}  # replacements to try again, when
-        self.job_step = 0  # the newest step a call of step() returned
-        self._failure: Failure | None = None
-        self._healths: dict[int, tuple] = {}
+        self.clock = clock
+        self._make_group = make_group or self._ray_group
+        self._live_nodes = live_nodes or (lambda: schedulable_nodes(
+            worker_resources=job.worker_resources, avoid=set()))
         self._incarnation = 0
-        self._standby: Future | None = None  # cluster.replica_standby: a group made ahead
-        self._lock = threading.Lock()
+        self._listed: tuple = ()  # the groups whose workers the job's list holds
         self._pool = ThreadPoolExecutor(max_workers=2 * self.count + 2,
                                         thread_name_prefix="ringray-replicas")
+
+    # ----------------------------------------------------------------- the state, read
+    @property
+    def members(self) -> dict[int, RayWorkerGroup]:
+        """The groups that train (live or joining), by index."""
+        return {i: self.state.slots[i].group for i in alive(self.state)}
+
+    @property
+    def job_step(self) -> int:
+        """The newest step a call of :meth:`step` returned."""
+        return self.state.job_step
+
+    @property
+    def replacements(self) -> int:
+        """Groups lost so far (counted against ``cluster.max_failures``)."""
+        return self.state.losses
 
     def _group(self, index: int | None) -> RayWorkerGroup:
         """A new worker group for replica group ``index`` (None: the standby, which is named
         as a replica group so that the workers' memory check counts its bundles)."""
         self._incarnation += 1
-        return RayWorkerGroup(self.job, _GroupRecord(self, index), should_stop=self.should_stop,
-                              name=f"ringray-{self.job.name}-replica"
-                                   f"{'-standby' if index is None else index}-{self._incarnation}")
+        return self._make_group(f"ringray-{self.job.name}-replica"
+                                f"{'-standby' if index is None else index}-{self._incarnation}",
+                                _GroupRecord(self, index))
 
-    def group_workers(self, index: int, healths: tuple) -> None:
-        with self._lock:
-            self._healths[index] = healths
-            merged = tuple(h for i in sorted(self._healths) for h in self._healths[i])
-        self.record.workers(merged)
+    def _ray_group(self, name: str, record: _GroupRecord) -> RayWorkerGroup:
+        return RayWorkerGroup(self.job, record, should_stop=self.should_stop, name=name)
+
+    # ----------------------------------------------------------------- the state, changed
+    def _apply(self, event: Event) -> tuple[Action, ...]:
+        """``event`` through the transitions; then their actions, in order (the live groups
+        to be torn down are first asked to close, together, for at most
+        :data:`~ringray.cluster.worker_group.CLOSE_SECONDS`). Raises JobError for
+        :class:`GiveUp`; returns the actions (the caller handles :class:`Escalate`)."""
+        self.state, actions = reduce(self.state, event, self.clock())
+        closing = [ref for action in actions if isinstance(action, TearDown) and action.close
+                   for ref in action.group.ask_to_close()]
+        if closing:
+            ray.wait(closing, num_returns=len(closing), timeout=CLOSE_SECONDS)
+        give_up = None
+        for action in actions:
+            if isinstance(action, TearDown):
+                action.group.teardown()
+            elif isinstance(action, Cancel):
+                action.call.cancel()
+            elif isinstance(action, Record):
+                self.record.event(action.message)
+            elif isinstance(action, RecordLost):
+                self.record.replica_lost(action.index, reason=action.reason,
+                                         detail=action.detail, left=action.left)
+            elif isinstance(action, Replace):
+                self._replace(action.index, from_standby=action.from_standby)
+            elif isinstance(action, PrepareStandby):
+                self._prepare_standby()
+            elif isinstance(action, AwaitStarts):
+                self._await_starts()
+            elif isinstance(action, GiveUp):
+                give_up = action
+        self._list_workers()
+        if give_up is not None:
+            raise JobError(give_up.message)
+        return actions
+
+    def _list_workers(self) -> None:
+        """The job's list of workers: the training groups', by index (when they changed)."""
+        groups = tuple(self.state.slots[i].group for i in alive(self.state))
+        if len(groups) == len(self._listed) and all(
+                a is b for a, b in zip(groups, self._listed, strict=True)):
+            return
+        self._listed = groups
+        if groups:
+            self.record.workers(tuple(h for group in groups for h in group.record.healths))
+
+    def _fail(self, index: int, exc: WorkerGroupFailure, during: str) -> None:
+        """Group ``index`` failed ``during`` something: lost alone (torn down, its
+        replacement started in the background) while another group holds the job's state;
+        else ``exc`` goes on to the machine."""
+        gone = False
+        if during == "step" and any(i != index for i in holders(self.state)):
+            gone = not self.lighthouse.answers()
+        for action in self._apply(GroupFailed(index, exc.failure, during=during,
+                                              lighthouse_gone=gone)):
+            if isinstance(action, Escalate):
+                if action.message:
+                    self.record.event(action.message)
+                raise exc
+        self._apply(Due())
+
+    def _sync(self) -> None:
+        """The starts that have returned (replacements, the standby, abandoned ones) as
+        events, then the replacements whose time has come started."""
+        for call in [call for call in starts(self.state) if call.done()]:
+            self._finished(call)
+        self._apply(Due())
+
+    def _finished(self, call: Future) -> None:
+        error, value = _result(call)
+        standby = [self.state.standby, *self.state.abandoned]
+        if not any(isinstance(s, StandbyStarting) and s.call is call for s in standby):
+            self._apply(StartFinished(call, error, note=value))
+            return
+        message = None
+        if self.state.standby is None or self.state.standby.call is not call:
+            pass  # an abandoned standby's: torn down, nothing to say
+        elif error is None:
+            warning, nodes = value
+            if warning:
+                self.record.event(f"the standby group: {warning}")
+            message = f"a standby group is up on {nodes}, ready to replace a lost group"
+        elif isinstance(error, PlacementError):
+            message = self._no_room_for_standby()
+        self._apply(StandbyFinished(call, error, message))
 
     # ----------------------------------------------------------------- placement
     def plan(self, dp_choices: tuple[int, ...], *, avoid: frozenset[str]) -> PlacementPlan:
@@ -287,14 +534,23 @@ class ReplicatedWorkerGroup:
 
     # ----------------------------------------------------------------- starting
     def start(self, plan: PlacementPlan) -> None:
+        """A new Lighthouse, then the R groups, started together; the first failure goes to
+        the machine (whose teardown takes the others, started or still starting)."""
         self._start_lighthouse()
-        groups = {index: self._group(index) for index in range(self.count)}
-        starts = {index: self._pool.submit(group.start, part)
-                  for (index, group), part in zip(groups.items(), split_plan(plan, self.count),
-                                                  strict=True)}
-        self.members = groups  # torn down together if any fails
-        for future in starts.values():
-            future.result()  # WorkerGroupFailure / JobError / StopRequested: to the machine
+        for index, part in enumerate(split_plan(plan, self.count)):
+            group = self._group(index)
+            self._apply(StartSubmitted(index, group, self._pool.submit(group.start, part),
+                                       replacement=False))
+        self._wait_all([self.state.slots[i].call for i in range(self.count)])
+
+    @staticmethod
+    def _wait_all(calls: list[Future]) -> None:
+        """Wait for every call; the first to fail raises (WorkerGroupFailure, JobError,
+        StopRequested: to the machine) without waiting for the others."""
+        wait(calls, return_when=FIRST_EXCEPTION)
+        for call in calls:
+            if call.done() and call.exception() is not None:
+                raise call.exception()
 
     def _start_lighthouse(self) -> None:
         """A new Lighthouse for every start of the groups, the machine's restarts included:
@@ -304,137 +560,90 @@ class ReplicatedWorkerGroup:
         timeout. A new one knows only the groups that heartbeat to it, and each group's
         managers exist from its build (:meth:`ReplicaSync.attach
         <ringray.train.replicas.ReplicaSync.attach>`), so the first quorum waits for them."""
-        self._kill_lighthouse()
-        heartbeat_ms = round(self.cluster.replica_heartbeat_seconds * 1000)
-        self.lighthouse = ray.remote(Lighthouse).options(
-            num_cpus=0, resources={HEAD_NODE_RESOURCE: 0.001}, max_restarts=0,
-            name=f"ringray-{self.job.name}-lighthouse").remote(
-            min_replicas=1, join_timeout_ms=heartbeat_ms, heartbeat_timeout_ms=heartbeat_ms)
-        self.lighthouse_address = ray.get(self.lighthouse.address.remote(),
-                                          timeout=self.cluster.startup_timeout_seconds)
+        self.lighthouse_address = self.lighthouse.start()
         self.record.event(f"torchft Lighthouse at {self.lighthouse_address} for "
                           f"{self.count} replica groups")
 
     def run_plan(self, *, lineage: str | None) -> RunPlan:
-        return self.members[0].run_plan(lineage=lineage)
+        return self.state.slots[0].group.run_plan(lineage=lineage)
 
     def _replica(self, index: int, group: RayWorkerGroup) -> ReplicaMembership:
-        timeout = max(1.0, self.cluster.step_timeout_seconds / 2)
-        return ReplicaMembership(index=index, count=self.count, lighthouse=self.lighthouse_address,
-                            store=group.address, timeout_seconds=timeout,
-                            collective_timeout_seconds=self.cluster
-                            .replica_collective_timeout_seconds,
-                            quorum_timeout_seconds=self.cluster.step_timeout_seconds)
+        return _membership(self.job, index, self.lighthouse_address, group.address)
 
     def build(self, options: TrainOptions, run: RunPlan) -> Restored:
         """Every group opens its sessions and restores the same checkpoint (each reads it).
         ``options`` are one group's (``parallel.dp`` its own rings)."""
         self.options, self.run = options, run
-        builds = {index: self._pool.submit(group.build, self.options, run,
-                                           replica=self._replica(index, group))
-                  for index, group in self.members.items()}
-        restored = {index: future.result() for index, future in builds.items()}
-        self.stepped = {index: r.step for index, r in restored.items()}
-        self.job_step = restored[0].step
-        self._prepare_standby()
+        for index in range(self.count):
+            group = self.state.slots[index].group
+            self._apply(CallSent(index, self._pool.submit(
+                group.build, options, run, replica=self._replica(index, group))))
+        calls = [self.state.slots[i].call for i in range(self.count)]
+        self._wait_all(calls)
+        restored = [call.result() for call in calls]
+        self._apply(Formed(steps={i: r.step for i, r in enumerate(restored)},
+                           job_step=restored[0].step))
         return restored[0]
 
-    # ----------------------------------------------------------------- losing and replacing
-    def _lose(self, index: int, failure: Failure) -> None:
-        """Group ``index`` failed: tear it down alone, start its replacement in the
-        background (the others keep training)."""
-        group = self.members.pop(index)
-        self.stepped.pop(index, None)
-        self.inflight.pop(index, None)
-        self.joining.discard(index)
-        with self._lock:
-            self._healths.pop(index, None)
-        self.record.replica_lost(index, reason=failure.kind.value, detail=failure.detail,
-                                 left=len(self.members))
-        group.teardown()
-        self.replacements += 1
-        if self.replacements > self.cluster.max_failures:
-            raise JobError(f"replica groups lost {self.replacements} times, more than "
-                           f"cluster.max_failures: {self.cluster.max_failures}; last: replica "
-                           f"group {index}, {failure.detail}")
-        if self.members:
-            self.pending[index] = self._pool.submit(self._replace, index)
-
-    def _replace(self, index: int) -> RayWorkerGroup:
-        """A new group ``index`` on the live nodes, built with no checkpoint: it heals from
-        a live peer at its first step. A teardown meanwhile kills it where it is."""
-        started = time.monotonic()
-        with self._lock:
-            generation = self._generation
-        group = self._join_standby(index, generation)
-        ahead = group is not None
-        if group is None:
+    # ----------------------------------------------------------------- replacing
+    def _replace(self, index: int, *, from_standby: bool) -> None:
+        """Start group ``index``'s replacement in the background: the standby joining where it
+        is up on live nodes, else a new group placed apart from the live ones. Built with no
+        checkpoint, it heals from a live peer at its first step."""
+        run = RunPlan(lineage=self.run.lineage, restore=())
+        membership = partial(_membership, self.job, index, self.lighthouse_address)
+        group = self._take_standby(index) if from_standby else None
+        joins = group is not None
+        if joins:
+            call = self._pool.submit(_join_and_build, group, self.options, run, membership)
+        else:
             group = self._group(index)
-            self._register_start(index, group, generation)
-        try:
-            if not ahead:
-                group.start(self._plan_replacement(index))
-            group.build(self.options, RunPlan(lineage=self.run.lineage, restore=()),
-                        replica=self._replica(index, group))
-        except BaseException:
-            group.teardown()  # (again, if a teardown found it starting: that is harmless)
-            raise
-        finally:
-            with self._lock:
-                self._starting.pop(index, None)
-        if self._generation != generation:
-            group.teardown()
-            raise JobError(f"replica group {index}'s replacement came up after a teardown")
-        how = " by the standby group" if ahead else ""
-        self.record.event(f"replica group {index} replaced{how} in "
-                          f"{time.monotonic() - started:.1f} s; it heals from a live peer at "
-                          f"its first step")
+            call = self._pool.submit(_start_and_build, group, self._placer(), self.options,
+                                     run, membership)
+        self._apply(StartSubmitted(index, group, call, from_standby=joins))
+
+    def _take_standby(self, index: int) -> RayWorkerGroup | None:
+        """The standby, if its nodes are all live (else it is torn down: None)."""
+        group = self.state.standby.group
+        live = {node.node_id for node in self._live_nodes()}
+        if not set(group.plan_.slots_by_node()) <= live:
+            self._apply(StandbyDropped())
+            return None
+        group.record.become(index)
         return group
+
+    def _placer(self) -> Callable[[], tuple[PlacementPlan, str | None]]:
+        """Where a new group goes, decided on the pool thread from the live nodes then and
+        the slots the training groups and the standby hold now (:func:`replacement_plan`)."""
+        used: dict[str, int] = {}
+        holders_ = [self.state.slots[i].group for i in alive(self.state)]
+        if isinstance(self.state.standby, StandbyReady):
+            holders_.append(self.state.standby.group)
+        for member in holders_:
+            if member.plan_ is not None:
+                for node, n in member.plan_.slots_by_node().items():
+                    used[node] = used.get(node, 0) + n
+        nodes, job, dp = self._live_nodes, self.job, self.options.parallel.dp
+        return lambda: replacement_plan(nodes(), used, cp=job.cp, dp=dp,
+                                        failure_domain=job.cluster.failure_domain,
+                                        ulysses=job.ulysses)
 
     # ----------------------------------------------------------------- the standby
     def _prepare_standby(self) -> None:
-        """Unless ``cluster.replica_standby`` is false: start one group's workers ahead (in the
-        background), on free slots apart from the live groups, up to the point of joining a
-        process group, so that a replacement only joins, builds and heals."""
-        wanted = self.cluster.replica_standby is not False  # unset: whenever there is room
-        if wanted and self._standby is None and self.options is not None:
-            self._standby = self._pool.submit(self._start_standby, self._generation)
-
-    def _register_start(self, key: int, group: RayWorkerGroup, generation: int) -> None:
-        """Mark ``group`` as starting (a teardown kills it where it is), unless a teardown
-        came since ``generation``: then it is never started."""
-        with self._lock:
-            if self._generation != generation:
-                raise JobError("the replica groups were torn down before this start")
-            self._starting[key] = group
-
-    def _start_standby(self, generation: int) -> RayWorkerGroup | None:
+        """Start one group's workers ahead (in the background), on free slots apart from the
+        live groups, up to the point of joining a process group, so that a replacement only
+        joins, builds and heals (``cluster.replica_standby``)."""
+        if self.options is None:
+            return
         group = self._group(None)
-        self._register_start(-1, group, generation)
-        try:
-            group.prepare(self._plan_replacement(None))
-        except PlacementError:
-            group.teardown()
-            self.record.event(self._no_room_for_standby())
-            return None
-        except BaseException:
-            group.teardown()  # (again, if a teardown found it starting: that is harmless)
-            raise
-        finally:
-            with self._lock:
-                self._starting.pop(-1, None)
-        if self._generation != generation:  # abandoned: a teardown came while it started
-            group.teardown()
-            return None
-        nodes = ", ".join(sorted(group.plan_.slots_by_node()))
-        self.record.event(f"a standby group is up on {nodes}, ready to replace a lost group")
-        return group
+        self._apply(StandbySubmitted(group, self._pool.submit(_prepare, group,
+                                                              self._placer())))
 
     def _no_room_for_standby(self) -> str:
         """Why there is no standby group, with the arithmetic of the slots."""
         need = self.options.parallel.dp * self.job.cp
-        live = len(self.members)
-        total = self._live_slots(frozenset())
+        live = len(alive(self.state))
+        total = sum(node.slots for node in self._live_nodes())
         slots = "slot" if need == 1 else "slots"
         return (f"no standby group: it needs {need} free worker {slots} (dp "
                 f"{self.options.parallel.dp} × cp {self.job.cp}); the live nodes have {total}, "
@@ -442,223 +651,115 @@ class ReplicatedWorkerGroup:
                 f"replacement will start its processes when it is needed (add a node with "
                 f"{need} {slots}, or set cluster.replica_standby: false to say none is wanted)")
 
-    def _join_standby(self, index: int, generation: int) -> RayWorkerGroup | None:
-        """The standby as group ``index``, its process group formed; None (and the standby
-        torn down) if there is none, or it did not come up, or it cannot join. The next
-        standby is started once the replacement is adopted (:meth:`_adopt`)."""
-        group = self._take_standby(index)
-        if group is None:
-            return None
-        try:
-            self._register_start(index, group, generation)
-        except JobError:
-            group.teardown()
-            raise
-        try:
-            group.record.become(index)
-            group.join_group()
-        except (WorkerGroupFailure, JobError) as exc:
-            self.record.event(f"replica group {index}: the standby group could not join "
-                              f"({exc}); starting a replacement")
-            group.teardown()
-            return None
-        finally:
-            with self._lock:
-                self._starting.pop(index, None)
-        return group
-
-    def _standby_up(self) -> RayWorkerGroup | None:
-        """The standby if it has come up (without waiting for one still starting)."""
-        future = self._standby
-        if future is None or not future.done() or future.exception() is not None:
-            return None
-        return future.result()
-
-    def _take_standby(self, index: int) -> RayWorkerGroup | None:
-        """The standby, if it came up and its nodes are all live (else it is torn down)."""
-        future, self._standby = self._standby, None
-        if future is None:
-            return None
-        try:
-            group = future.result()
-        except Exception as exc:
-            self.record.event(f"replica group {index}: the standby group did not come up "
-                              f"({exc}); starting a replacement")
-            return None
-        if group is None:
-            return None
-        live = {node.node_id for node in schedulable_nodes(
-            worker_resources=self.job.worker_resources, avoid=set())}
-        if not set(group.plan_.slots_by_node()) <= live:
-            group.teardown()
-            return None
-        return group
-
-    def _plan_replacement(self, index: int | None) -> PlacementPlan:
-        """Group ``index``'s rings on the live nodes' slots that the live groups leave free,
-        in a failure domain of their own where possible (:func:`replacement_plan`)."""
-        used: dict[str, int] = {}
-        standby = self._standby_up()  # its slots are taken too
-        holders = list(self.members.values()) + ([standby] if standby else [])
-        for member in holders:
-            if member.plan_ is not None:
-                for node, n in member.plan_.slots_by_node().items():
-                    used[node] = used.get(node, 0) + n
-        nodes = schedulable_nodes(worker_resources=self.job.worker_resources, avoid=set())
-        plan, warning = replacement_plan(nodes, used, cp=self.job.cp,
-                                         dp=self.options.parallel.dp,
-                                         failure_domain=self.cluster.failure_domain,
-                                         ulysses=self.job.ulysses)
-        if warning:
-            who = "the standby group" if index is None else f"replica group {index}"
-            self.record.event(f"{who}: {warning}")
-        return plan
-
-    def _adopt(self) -> None:
-        """Replacements that have come up join the next step; failed ones are tried again."""
-        now = time.monotonic()
-        for index, when in list(self._retry_at.items()):
-            if now >= when:
-                del self._retry_at[index]
-                self.pending[index] = self._pool.submit(self._replace, index)
-        for index, future in list(self.pending.items()):
-            if not future.done():
-                continue
-            del self.pending[index]
-            try:
-                self.members[index] = future.result()
-                self.joining.add(index)
-                self._prepare_standby()  # for the next loss
-            except StopRequested:
-                continue  # the machine stops the job
-            except (WorkerGroupFailure, JobError, PlacementError) as exc:
-                self.record.event(f"replica group {index}'s replacement did not start: {exc}; "
-                                  f"trying again in {REPLACE_RETRY_SECONDS:.0f} s (the others "
-                                  f"train on)")
-                self._retry_at[index] = now + REPLACE_RETRY_SECONDS
-
     # ----------------------------------------------------------------- training
     def step(self, *, move_now: Callable[[Drain], str | None]) -> StepStats:
         """One step the replica groups committed (a step none committed is run again).
 
-        The calls of the groups already training go out together and are waited for. A
-        group that joins (a replacement) waits inside its first call for a quorum with
+        The calls of the groups holding the job's state go out together and are waited for.
+        A group that joins (a replacement) waits inside its first call for a quorum with
         theirs, heals there and trains that step with them, so its call is never waited on.
         Whenever a call returns a step the job already has (a joining group's, or one left
         from an earlier round), that group's next call goes out at once: the Lighthouse
         waits for every member of the last quorum, so the others' next step would otherwise
         wait for it until the quorum timeout."""
-        self._failure = None
+        failure = None
         for _ in range(UNCOMMITTED_ATTEMPTS):
-            self._adopt()
-            for index, group in self.members.items():
-                if index not in self.inflight:
-                    self.inflight[index] = self._pool.submit(group.step, move_now=move_now)
-            waiting = {index for index in self.members if index not in self.joining}
+            self._sync()
+            for index in alive(self.state):
+                if self.state.slots[index].call is None:
+                    self._send(index, move_now)
+            waiting = set(holders(self.state))
             committed: list[tuple[int, StepStats]] = []
             resent: set[int] = set()
-            while waiting & set(self.inflight):
-                watched = {self.inflight[i]: i for i in self.inflight
-                           if i in waiting or i in self.joining}
+            while waiting & set(calls(self.state)):
+                watch = set(waiting) | set(joining(self.state))
+                watched = {call: i for i, call in calls(self.state).items() if i in watch}
                 done, _ = wait(watched, return_when=FIRST_COMPLETED)
                 for call in done:
                     index = watched[call]
-                    joined = index in self.joining
+                    joined = isinstance(self.state.slots.get(index), Joining)
                     waiting.discard(index)
                     stats = self._outcome(index)
-                    if stats is not None and stats.committed and stats.step > self.job_step:
+                    if isinstance(stats, Failure):
+                        failure = stats
+                    elif stats.committed and stats.step > self.job_step:
                         committed.append((index, stats))
-                    elif stats is not None and index in self.members and (
-                            joined or stats.committed):
+                    elif index in alive(self.state) and (joined or stats.committed):
                         # A joining group's first call, or a call left from an earlier round
                         # (a step the job already has): the group's next call goes out now,
                         # for the quorum the others wait in (the Lighthouse waits for every
                         # member of the last quorum). It is waited for in a later round.
-                        self.inflight[index] = self._pool.submit(self.members[index].step,
-                                                                 move_now=move_now)
+                        self._send(index, move_now)
                         resent.add(index)
             # A call sent again above is most often in the quorum the others just finished:
             # it returns with them, and taking it now keeps the groups in step.
             committed += self._settle(resent)
             if committed:
                 stats = max(committed, key=lambda c: (c[1].step, -c[0]))[1]
-                self.job_step = stats.step
+                self._apply(JobStepped(stats.step))
                 return _with_heals(stats, [s for _, s in committed if s.step == stats.step])
-        raise WorkerGroupFailure(self._failure or Failure(
+        raise WorkerGroupFailure(failure or Failure(
             kind=FailureKind.HANG, detail=f"no replica group committed a step in "
                                           f"{UNCOMMITTED_ATTEMPTS} attempts"))
+
+    def _send(self, index: int, move_now: Callable[[Drain], str | None]) -> None:
+        group = self.state.slots[index].group
+        self._apply(CallSent(index, self._pool.submit(group.step, move_now=move_now)))
 
     def _settle(self, indices: set[int]) -> list[tuple[int, StepStats]]:
         """Take the calls of ``indices`` that return within :data:`SETTLE_SECONDS`; the rest
         stay in flight (waiting for a later quorum). Returns the new committed steps."""
-        calls = {self.inflight[i]: i for i in indices if i in self.inflight}
-        if not calls:
+        inflight = calls(self.state)
+        watched = {inflight[i]: i for i in indices if i in inflight}
+        if not watched:
             return []
-        done, _ = wait(calls, timeout=SETTLE_SECONDS)
+        done, _ = wait(watched, timeout=SETTLE_SECONDS)
         fresh = []
         for call in done:
-            index = calls[call]
+            index = watched[call]
             stats = self._outcome(index)
-            if stats is not None and stats.committed and stats.step > self.job_step:
+            if isinstance(stats, StepStats) and stats.committed and stats.step > self.job_step:
                 fresh.append((index, stats))
         return fresh
 
-    def _outcome(self, index: int) -> StepStats | None:
+    def _outcome(self, index: int) -> StepStats | Failure:
         """Take group ``index``'s finished step call: a failure loses the group (or, for the
-        last one, goes to the machine), a heal is recorded, a commit marks its step."""
-        call = self.inflight.pop(index)
+        last one holding the job's state, goes to the machine), a heal is recorded, a commit
+        marks its step."""
+        call = self.state.slots[index].call
         try:
             stats = call.result()
         except WorkerGroupFailure as exc:
-            self._failure = exc.failure
-            holding = set(self.members) - self.joining - {index}
-            if not holding:  # the last group with the job's state: the checkpoint path
-                if len(self.members) > 1:
-                    joining = ", ".join(map(str, sorted(set(self.members) - {index})))
-                    self.record.event(f"replica group {index} was the last group holding the "
-                                      f"job's state (group {joining} had not healed yet): the "
-                                      f"job restarts from its checkpoint")
-                raise
-            if not self._lighthouse_answers():
-                self.record.event("the torchft Lighthouse is gone: no group can form a "
-                                  "quorum, so the job restarts from its checkpoint")
-                raise
-            self._lose(index, exc.failure)
-            return None
+            self._fail(index, exc, "step")
+            return exc.failure
+        self._apply(StepReturned(index, stats.step, stats.committed))
         if stats.healed:
             self.record.replica_healed(index, step=stats.step, seconds=stats.heal_seconds)
-        if stats.committed:
-            if stats.step > self.job_step:  # caught up (a joining group alone counts from 0)
-                self.joining.discard(index)
-            self.stepped[index] = stats.step
         return stats
 
-    def _current(self) -> list[tuple[int, RayWorkerGroup]]:
-        """Live groups at the newest committed step, lowest index first."""
-        newest = max(self.stepped.values(), default=0)
-        return [(i, self.members[i]) for i in sorted(self.members)
-                if self.stepped.get(i) == newest]
-
-    def _one_group(self, call: Callable[[RayWorkerGroup], object]) -> object:
-        """``call`` on the lowest current group; on its failure, the next one."""
+    def _one_group(self, call: Callable[[RayWorkerGroup], object], during: str) -> object:
+        """``call`` on the lowest current group; on its failure that group is lost alone
+        (while another holds the job's state) and the next one is asked."""
         failure = None
-        for index, group in self._current():
+        for index in current(self.state):
+            slot = self.state.slots.get(index)
+            if not isinstance(slot, Live | Joining):
+                continue
             try:
-                return call(group)
+                return call(slot.group)
             except WorkerGroupFailure as exc:
                 failure = exc
-                if len(self.members) == 1:
-                    raise
-                self._lose(index, exc.failure)
+                self._fail(index, exc, during)
         raise failure or WorkerGroupFailure(Failure(kind=FailureKind.HANG,
                                                     detail="no replica group is live"))
 
     def checkpoint(self) -> Saved:
         """One group saves; then every group at the current step compares its state with
         it, rank for rank (weights, optimizer state, loader, RNG, step). A group that holds
-        another state heals from a live peer at the next step (:meth:`_compare_states`)."""
-        self._settle(set(self.inflight))  # a group's call still returning this step
-        saved = self._one_group(lambda group: group.checkpoint())
+        another state heals from a live peer at the next step (:meth:`_compare_states`). A
+        group that fails in either is lost alone while another holds the job's state."""
+        self._settle(set(calls(self.state)))  # a group's call still returning this step
+        saved = self._one_group(lambda group: group.checkpoint(), "checkpoint")
         self._compare_states(saved.checkpoint.step)
         return saved
 
@@ -669,13 +770,11 @@ class ReplicatedWorkerGroup:
         from a live peer, so gradients of different weights are never averaged again. A group
         that fails meanwhile is lost alone, as in a step."""
         digests: dict[int, list[str]] = {}
-        for index, group in self._current():
+        for index in current(self.state):
             try:
-                digests[index] = group.state_digests()
+                digests[index] = self.state.slots[index].group.state_digests()
             except WorkerGroupFailure as exc:
-                if len(self.members) == 1:
-                    raise
-                self._lose(index, exc.failure)
+                self._fail(index, exc, "digest")
         if len(digests) < 2:
             return
         first, *others = digests
@@ -690,23 +789,27 @@ class ReplicatedWorkerGroup:
                           f"{first}, which saved it; they heal from a live peer at the next "
                           f"step")
         for index in differ:
+            slot = self.state.slots.get(index)
+            if not isinstance(slot, Live | Joining):
+                continue
             try:
-                self.members[index].fall_behind()
+                slot.group.fall_behind()
             except WorkerGroupFailure as exc:
-                self._lose(index, exc.failure)
+                self._fail(index, exc, "digest")
 
     def evaluate(self) -> PasskeyReport | None:
-        return self._one_group(lambda group: group.evaluate())
+        return self._one_group(lambda group: group.evaluate(), "evaluate")
 
     def poll(self) -> None:
-        self._adopt()
-        for index, group in list(self.members.items()):
+        self._sync()
+        for index in alive(self.state):
+            slot = self.state.slots.get(index)
+            if not isinstance(slot, Live | Joining):
+                continue
             try:
-                group.poll()
+                slot.group.poll()
             except WorkerGroupFailure as exc:
-                if len(self.members) == 1:
-                    raise
-                self._lose(index, exc.failure)
+                self._fail(index, exc, "poll")
 
     def take_drain(self) -> Drain | None:
         for group in self.members.values():
@@ -717,59 +820,44 @@ class ReplicatedWorkerGroup:
 
     # ----------------------------------------------------------------- teardown
     def teardown(self) -> None:
-        """Every group, the starts in flight and the standby, and the workers' list; the
-        Lighthouse stays for the job's next start (:meth:`close` ends it).
+        """Every group, the starts in flight and the standby; the Lighthouse stays for the
+        job's next start (:meth:`close` ends it).
 
         The live groups' workers are first asked to shut their torchft managers down (at
-        most :data:`~ringray.cluster.worker_group.CLOSE_SECONDS`). A start in flight has its
-        group torn down where it is and is then waited for, at most
-        :data:`TEARDOWN_WAIT_SECONDS`, so that whatever it made meanwhile goes too (its
-        thread tears its group down again on its way out); one still running after that is
-        recorded, never left silently."""
-        with self._lock:
-            self._generation += 1
-            starting, self._starting = self._starting, {}
-        starts = [*self.pending.values(), *([self._standby] if self._standby else [])]
-        closing = [ref for group in self.members.values() for ref in group.ask_to_close()]
-        if closing:
-            ray.wait(closing, num_returns=len(closing), timeout=CLOSE_SECONDS)
-        for group in [*starting.values(), *self.members.values()]:
-            group.teardown()
-        _, running = wait(starts, timeout=TEARDOWN_WAIT_SECONDS) if starts else ((), ())
-        for future in starts:
-            if future.done() and future.exception() is None and future.result() is not None:
-                future.result().teardown()
+        most :data:`~ringray.cluster.worker_group.CLOSE_SECONDS`). A start in flight is
+        cancelled if it has not begun, its group torn down where it is, and it is then
+        waited for, at most :data:`TEARDOWN_WAIT_SECONDS`, and whatever its group made
+        meanwhile torn down too (:meth:`_await_starts`); nothing of it is adopted later."""
+        self._apply(TornDown())
+
+    def _await_starts(self) -> None:
+        """The starts a teardown abandoned, waited for (at most
+        :data:`TEARDOWN_WAIT_SECONDS`); each that returned has its group torn down again. One
+        still running is recorded, and torn down when it returns (at the next teardown or
+        :meth:`step`, or by :meth:`close`)."""
+        pending = [entry.call for entry in self.state.abandoned]
+        _, running = wait(pending, timeout=TEARDOWN_WAIT_SECONDS)
+        for call in pending:
+            if call.done():
+                self._finished(call)
         if running:
             self.record.event(f"warning: {len(running)} replica group start(s) still running "
                               f"{TEARDOWN_WAIT_SECONDS:.0f} s after the teardown; their groups "
                               f"are torn down when they return")
-        for call in self.inflight.values():
-            call.cancel()
-        self.pending.clear()
-        self._retry_at.clear()
-        self._standby = None
-        self.members, self.stepped, self.inflight, self.joining = {}, {}, {}, set()
-        with self._lock:
-            self._healths.clear()
 
     def close(self) -> None:
-        """The job has ended: the groups and the Lighthouse go."""
+        """The job has ended: the groups and the Lighthouse go. A start still running past
+        the teardown's wait has its group torn down when it returns (the one thing a pool
+        thread does besides its calls: that group is no longer the job's)."""
         self.teardown()
+        for entry in self.state.abandoned:
+            entry.call.add_done_callback(lambda _call, group=entry.group: group.teardown())
         self._kill_lighthouse()
-        self._pool.shutdown(wait=False)
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _lighthouse_answers(self) -> bool:
-        try:
-            ray.get(self.lighthouse.address.remote(), timeout=10)
-            return True
-        except Exception:
-            return False
+        return self.lighthouse.answers()
 
     def _kill_lighthouse(self) -> None:
-        if self.lighthouse is not None:
-            try:
-                ray.kill(self.lighthouse, no_restart=True)
-            except Exception as exc:
-                self.record.event(f"the torchft Lighthouse could not be killed: {exc}",
-                                  exc=exc)
-            self.lighthouse, self.lighthouse_address = None, None
+        self.lighthouse.kill()
+        self.lighthouse_address = None
