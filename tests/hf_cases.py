@@ -53,6 +53,17 @@ CASES: dict[str, tuple[str, dict]] = {
 }
 
 
+def _randomize_(model: torch.nn.Module, *, std: float) -> None:
+    """Norm weights in [0.5, 1.5], every other weight N(0, std²): large enough that a wrong
+    mapping, rotation, scaling or position shows (HF would set norms to one)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+            else:
+                param.normal_(0.0, std)
+
+
 def hf_model(case: str, seed: int = 0) -> torch.nn.Module:
     """A transformers model of ``case`` with random weights large enough that a wrong
     mapping, rotation or scaling shows in the logits (HF would zero biases and set norms to
@@ -70,12 +81,7 @@ def hf_model(case: str, seed: int = 0) -> torch.nn.Module:
     config._attn_implementation = "sdpa"  # exact in float32 (eager's softmax is float32 too)
     torch.manual_seed(seed)
     model = model_class(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.uniform_(0.5, 1.5)
-            else:
-                param.normal_(0.0, 0.1)
+    _randomize_(model, std=0.1)
     return model.eval()
 
 
@@ -191,10 +197,5 @@ def save_tiny_llama(path: Path, tokenizer, *, positions: int) -> None:
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.uniform_(0.5, 1.5)
-            else:
-                param.normal_(0.0, 0.3)
+    _randomize_(model, std=0.3)
     model.save_pretrained(path)

@@ -473,6 +473,16 @@ def _died(detail: str = "rank 0 died") -> WorkerGroupFailure:
     return WorkerGroupFailure(Failure(kind=FailureKind.ACTOR_DIED, detail=detail))
 
 
+def _lose_group_1_and_hold_its_replacement(groups: ReplicatedWorkerGroup,
+                                           world: World) -> None:
+    """A step, then group 1 dies in the next; its replacement's start is held (in flight)."""
+    groups.step(move_now=lambda d: None)
+    world.hold.add(1)
+    world.fail[(1, "step")] = _died()
+    groups.step(move_now=lambda d: None)
+    assert world.held.wait(10)
+
+
 def _kinds(groups: ReplicatedWorkerGroup) -> dict[int, str]:
     return {i: type(s).__name__ for i, s in groups.state.slots.items()}
 
@@ -590,11 +600,7 @@ def test_a_replacement_that_comes_up_after_a_teardown_is_torn_down_not_adopted(
     world, record = World(), FakeRecord()
     groups = _started(_groups(tmp_path, world, record))
     try:
-        groups.step(move_now=lambda d: None)
-        world.hold.add(1)
-        world.fail[(1, "step")] = _died()
-        groups.step(move_now=lambda d: None)
-        assert world.held.wait(10)
+        _lose_group_1_and_hold_its_replacement(groups, world)
         late = world.groups[-1]  # the replacement, held in its start
         groups.teardown()  # the machine restarts: a new generation
         assert ("warning: 1 replica group start(s) still running 0 s after the teardown; "
@@ -738,11 +744,7 @@ def test_a_start_still_running_when_the_job_closes_is_torn_down_when_it_returns(
     world, record = World(), FakeRecord()
     groups = _started(_groups(tmp_path, world, record))
     try:
-        groups.step(move_now=lambda d: None)
-        world.hold.add(1)
-        world.fail[(1, "step")] = _died()
-        groups.step(move_now=lambda d: None)
-        assert world.held.wait(10)
+        _lose_group_1_and_hold_its_replacement(groups, world)
     finally:
         groups.close()
     (late,) = groups.state.abandoned

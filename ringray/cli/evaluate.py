@@ -121,12 +121,13 @@ def _positions_of_run(options) -> int:
 
 
 def _config_positions(pretrained: Path) -> int:
+    from ringray.train.export import read_model_config_positions
+
     try:
-        config = json.loads((pretrained / "config.json").read_text(encoding="utf-8"))
+        value = read_model_config_positions(str(pretrained))
     except (OSError, ValueError) as exc:
-        fail(f"{pretrained / 'config.json'}: not readable JSON ({exc})")
-    value = config.get("max_position_embeddings")
-    if not isinstance(value, int):
+        fail(" ".join(str(exc).split()))  # names the file
+    if value is None:
         fail(f"{pretrained / 'config.json'}: no max_position_embeddings; ringray eval needs "
              f"the model's position limit")
     return value

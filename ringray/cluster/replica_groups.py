@@ -855,9 +855,6 @@ class ReplicatedWorkerGroup:
         self._kill_lighthouse()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _lighthouse_answers(self) -> bool:
-        return self.lighthouse.answers()
-
     def _kill_lighthouse(self) -> None:
         self.lighthouse.kill()
         self.lighthouse_address = None

@@ -438,11 +438,19 @@ def _group_failed(state: Replicas, event: GroupFailed, now: float):
     return state, tuple(actions)
 
 
-def _start_finished(state: Replicas, event: StartFinished, now: float):
-    for entry in state.abandoned:  # a start of an earlier generation: never adopted
-        if entry.call is event.call:
+def _take_abandoned(state: Replicas, call: Any):
+    """``call``'s start, if a teardown abandoned it: dropped from the state and its group
+    torn down (a start of an earlier generation is never adopted); else None."""
+    for entry in state.abandoned:
+        if entry.call is call:
             rest = tuple(e for e in state.abandoned if e is not entry)
             return replace(state, abandoned=rest), (TearDown(entry.group),)
+    return None
+
+
+def _start_finished(state: Replicas, event: StartFinished, now: float):
+    if (taken := _take_abandoned(state, event.call)) is not None:
+        return taken
     found = [(i, s) for i, s in state.slots.items()
              if isinstance(s, Starting) and s.call is event.call]
     if not found:
@@ -480,10 +488,8 @@ def _standby_submitted(state: Replicas, event: StandbySubmitted, now: float):
 
 
 def _standby_finished(state: Replicas, event: StandbyFinished, now: float):
-    for entry in state.abandoned:
-        if entry.call is event.call:
-            rest = tuple(e for e in state.abandoned if e is not entry)
-            return replace(state, abandoned=rest), (TearDown(entry.group),)
+    if (taken := _take_abandoned(state, event.call)) is not None:
+        return taken
     standby = state.standby
     if not isinstance(standby, StandbyStarting) or standby.call is not event.call:
         return state, ()
