@@ -127,6 +127,13 @@ class FakeWorkerGroup:
         self._call("evaluate")
         return None
 
+    def evaluate_tasks(self, step: int):
+        self._call("evaluate_tasks")
+        cells = [{"task": "niah_single_1", "length": 1024, "score": 0.5, "samples": 2}]
+        return {"results.json": json.dumps({"cells": cells, "skipped": [
+                    "skipped ruler_vt at 1024: too short"], "model": {"step": step}}),
+                "samples.jsonl": '{"task": "niah_single_1"}\n'}
+
     def poll(self) -> None:
         self._call("poll")
 
@@ -170,11 +177,13 @@ class Harness:
 
 
 def _harness(tmp_path: Path, *, steps: int = 6, interval: int = 2, dp: int = 1,
-             dp_min: int | None = None, evaluate: bool = False, **cluster) -> Harness:
+             dp_min: int | None = None, evaluate: bool | dict = False, **cluster) -> Harness:
+    """``evaluate``: passkey at 256, or the ``eval`` section given."""
+    evaluation = evaluate if isinstance(evaluate, dict) else \
+        {"passkey_lengths": (256,)} if evaluate else {}
     train = tiny_options(str(tmp_path / "run"), parallel={"dp": dp, "cp": 2},
                          train={"steps": steps, "global_batch": 2},
-                         checkpoint={"interval": interval},
-                         eval={"passkey_lengths": (256,)} if evaluate else {})
+                         checkpoint={"interval": interval}, eval=evaluation)
     job = JobOptions(name="job", train=train,
                      cluster=ClusterOptions(dp_min=dp_min, poll_seconds=0.5,
                                             capacity_wait_seconds=5, max_failures=2, **cluster),
@@ -217,6 +226,51 @@ def test_a_job_runs_checkpoints_evaluates_and_finishes(tmp_path: Path) -> None:
     assert [r.step for r in h.workers.saved] == [2, 4]
     steps = [json.loads(x)["step"] for x in (h.run_dir / "steps.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
+
+
+def test_the_evaluation_runs_passkey_then_the_tasks_and_keeps_their_files(
+        tmp_path: Path) -> None:
+    """eval.tasks after the final checkpoint: the workers' files under RUN/eval, the scores
+    and skipped cells as events; tasks alone (no passkey lengths) evaluate too."""
+    for passkey in ((256,), ()):
+        h = _harness(tmp_path / str(len(passkey)), steps=2, interval=2, evaluate={
+            "passkey_lengths": passkey, "tasks": ("niah_single_1",), "task_lengths": (1024,),
+            "task_samples": 2})
+        state = _until(h, Placing(), Finished)
+        assert isinstance(state, Finished)
+        evaluated = [c for c in h.workers.calls if c.startswith("evaluate")]
+        assert evaluated == (["evaluate", "evaluate_tasks"] if passkey else ["evaluate_tasks"])
+        results = json.loads((h.run_dir / "eval" / "results.json").read_text())
+        assert results["model"] == {"step": 2}
+        assert (h.run_dir / "eval" / "samples.jsonl").read_text() == '{"task": "niah_single_1"}\n'
+        events = h.events()
+        assert ("lm_eval tasks niah_single_1 at lengths [1024], 2 samples each, on step 2"
+                in events)
+        assert f"lm_eval tasks: niah_single_1 @ 1024: 50.0 (2 samples) ({h.run_dir / 'eval'})" \
+            in events
+        assert "skipped ruler_vt at 1024: too short" in events
+
+
+def test_tasks_at_checkpoints_evaluate_after_each_interval_checkpoint(tmp_path: Path) -> None:
+    """eval.tasks_at_checkpoints: after each interval checkpoint (step 2, 4) the tasks run
+    and go to RUN/eval/step_<N>; after the final one (6) to RUN/eval, once; a stop during
+    one abandons it with the step's checkpoint committed."""
+    evaluation = {"tasks": ("niah_single_1",), "task_lengths": (1024,),
+                  "tasks_at_checkpoints": True}
+    h = _harness(tmp_path / "all", steps=6, interval=2, evaluate=evaluation)
+    assert isinstance(_until(h, Placing(), Finished), Finished)
+    steps = [json.loads(Path(d, "results.json").read_text())["model"]["step"]
+             for d in sorted((h.run_dir / "eval").glob("step_*"))]
+    assert steps == [2, 4]
+    assert json.loads((h.run_dir / "eval" / "results.json").read_text())["model"]["step"] == 6
+    assert h.workers.calls.count("evaluate_tasks") == 3
+
+    h = _harness(tmp_path / "stop", steps=6, interval=2, evaluate=evaluation)
+    h.workers.stop_during = "evaluate_tasks"
+    stopped = _until(h, Placing(), Stopped)
+    assert stopped.reason == ("stop requested during the task evaluation: abandoned (step 2's "
+                              "checkpoint is committed)")
+    assert "teardown" in h.workers.calls and h.workers.step_count == 2
 
 
 # ------------------------------------------------------------------ every state × every event

@@ -68,6 +68,7 @@ def test_exporter_serves_exactly_the_catalog() -> None:
     metrics.placed(dp=2, cp=2, nodes=["aaaaaaaa11", "aaaaaaaa11", "bbbbbbbb22", "bbbbbbbb22"])
     metrics.step(_stats())
     metrics.checkpoint(seconds=1.5, step=3)
+    metrics.task_score(task="niah_single_1", length=4096, score=0.25)
     names = {name for name, _ in _samples(metrics)}
     served = {n for n in names if not n.endswith("_created")}
     assert served == exported_series_names()
@@ -85,6 +86,9 @@ def test_a_step_sets_its_values_on_the_right_labels() -> None:
         return samples[(name, tuple(sorted({"job": "j", **labels}.items())))]
 
     assert value("ringray_loss") == 2.5 and value("ringray_training_step") == 4
+    metrics.task_score(task="ruler_vt", length=8192, score=0.75)
+    assert _samples(metrics)[("ringray_eval_task_score_ratio", tuple(sorted(
+        {"job": "j", "task": "ruler_vt", "length": "8192"}.items())))] == 0.75
     assert value("ringray_model_flops_utilization_ratio") == 0.4
     assert value("ringray_world_size") == 4 and value("ringray_world_size_target") == 4
     assert value("ringray_step_duration_seconds_count") == 2

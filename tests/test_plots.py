@@ -14,7 +14,14 @@ import pytest
 from typer.testing import CliRunner
 
 from ringray.cli import app
-from ringray.plots import ReportError, read_restart_steps, read_steps, write_report
+from ringray.plots import (
+    ReportError,
+    read_restart_steps,
+    read_steps,
+    read_task_results,
+    read_task_results_by_step,
+    write_report,
+)
 from ringray.train.step_stats import StepStats
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -221,3 +228,244 @@ def test_a_damaged_file_is_one_report_error(tmp_path, name, content, message):
     (run / name).write_bytes(content)
     with pytest.raises(ReportError, match=message):
         write_report(run)
+
+
+_TASK_CELL = {"task": "niah_single_1", "length": 4096, "score": 0.95, "samples": 20,
+              "build_seconds": 1.5, "eval_seconds": 30.0}
+
+
+def _task_results(cells: list[dict] | None = None) -> dict:
+    """``eval/results.json`` as :func:`ringray.harness.evaluate.evaluate_plan` writes it: two
+    tasks by three lengths, ruler_vt at 16k not run yet."""
+    if cells is None:
+        scores = {("niah_single_1", 4096): 1.0, ("niah_single_1", 8192): 0.95,
+                  ("niah_single_1", 16384): 0.6, ("ruler_vt", 4096): 0.8,
+                  ("ruler_vt", 8192): 0.25}
+        cells = [{**_TASK_CELL, "task": task, "length": length, "score": score,
+                  "samples": 20 if length < 16384 else 10}
+                 for (task, length), score in scores.items()]
+    return {"model": {"pretrained": "/runs/r/export"},
+            "settings": {"cp": 2, "limit": 20, "max_length": 16384, "model_args": {},
+                         "gen_kwargs": None, "lm_eval": "0.4.13"},
+            "tasks": ["niah_single_1", "ruler_vt"], "lengths": [4096, 8192, 16384],
+            "cells": cells, "skipped": [], "seconds": 321.5}
+
+
+def _write_task_results(run: Path, results: dict | str) -> Path:
+    (run / "eval").mkdir(parents=True, exist_ok=True)
+    path = run / "eval" / "results.json"
+    path.write_text(results if isinstance(results, str) else json.dumps(results, indent=2))
+    return path
+
+
+def test_task_results_are_plotted_after_passkey(tmp_path):
+    """eval/results.json (from ringray eval RUN, or the job) adds tasks.png, after
+    passkey.png when the run holds both; a cell not run yet does not stop it."""
+    run = _write_run(tmp_path / "run")
+    _write_task_results(run, _task_results())
+    paths = write_report(run)
+    assert paths == [run / "report" / f"{name}.png" for name in [*NAMES, "tasks"]]
+    width, height = _png_size(run / "report" / "tasks.png")
+    assert width >= 600 and height >= 300, (width, height)
+    assert (run / "report" / "tasks.png").stat().st_size > 10_000
+    (run / "passkey.json").write_text(json.dumps({"cells": [_CELL]}))
+    paths = write_report(run, tmp_path / "out")
+    assert paths == [tmp_path / "out" / f"{name}.png"
+                     for name in [*NAMES, "passkey", "tasks"]]
+
+
+def test_task_figure_has_a_panel_per_task_with_scores_lengths_and_samples():
+    """Per task: score x100 at each length run (a missing cell is left out), on a log2 axis
+    labelled 4k/8k/16k, each point annotated with its samples; a task with no cells says so;
+    the title names lm_eval's version."""
+    from ringray.plots import _tasks_figure
+
+    results = _task_results()
+    fig = _tasks_figure(results, "run")
+    niah, vt = fig.axes
+    assert [niah.get_title(), vt.get_title()] == ["niah_single_1", "ruler_vt"]
+    (line,) = niah.get_lines()
+    assert list(line.get_xdata()) == [4096, 8192, 16384]
+    assert list(line.get_ydata()) == pytest.approx([100.0, 95.0, 60.0])
+    (line,) = vt.get_lines()
+    assert list(line.get_xdata()) == [4096, 8192]
+    assert list(line.get_ydata()) == pytest.approx([80.0, 25.0])
+    for ax in (niah, vt):
+        assert ax.get_xscale() == "log"
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["4k", "8k", "16k"]
+        assert ax.get_ylim()[0] <= 0 and ax.get_ylim()[1] >= 100
+    assert [t.get_text() for t in niah.texts] == ["n=20", "n=20", "n=10"]
+    assert [t.get_text() for t in vt.texts] == ["n=20", "n=20"]
+    assert fig.get_suptitle() == "run · lm_eval 0.4.13"
+
+    results["cells"] = [c for c in results["cells"] if c["task"] == "niah_single_1"]
+    results["tasks"] += ["ruler_cwe", "ruler_fwe"]  # four tasks: a second row
+    fig = _tasks_figure(results, "run")
+    assert len(fig.axes) == 4
+    assert [t.get_text() for t in fig.axes[1].texts] == ["no cells yet"]
+    assert fig.axes[1].get_lines() == []
+
+
+def test_length_labels():
+    from ringray.plots import _length_label
+
+    assert [_length_label(n) for n in (512, 1000, 1024, 1536, 4096, 131072)] == [
+        "512", "1000", "1k", "1.5k", "4k", "128k"]
+
+
+def test_no_eval_directory_no_tasks_plot(tmp_path):
+    """Without eval/results.json (no evaluation, or one that has not written yet) there is no
+    tasks.png, and no error."""
+    run = _write_run(tmp_path / "run")
+    (run / "eval").mkdir()  # ringray eval made the directory but has not written results
+    assert read_task_results(run) is None
+    assert write_report(run) == [run / "report" / f"{name}.png" for name in NAMES]
+    assert not (run / "report" / "tasks.png").exists()
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("{not json", r"results.json: not JSON"),
+    (json.dumps({"tasks": [], "cells": []}), r"results.json: not an lm_eval results file "
+                                              r"\(no lengths\)"),
+    (json.dumps(_task_results([{"task": "ruler_vt", "length": 4096, "samples": 20}])),
+     r"results.json: cell 0 is not a task cell \(no score\)"),
+    (json.dumps(_task_results([_TASK_CELL, {**_TASK_CELL, "score": "0.5"}])),
+     r"results.json: cell 1: score is '0.5', not a number"),
+    (json.dumps(_task_results([{**_TASK_CELL, "length": "4k"}])),
+     r"results.json: cell 0: length is '4k', not a positive integer"),
+    (json.dumps(_task_results([{**_TASK_CELL, "score": 95.0}])),
+     r"results.json: cell 0: score is 95.0, not a number from 0 to 1"),
+    (json.dumps({**_task_results(), "lengths": "4096"}),
+     r"results.json: lengths is '4096', not a list of positive integers"),
+])
+def test_a_damaged_task_results_file_is_one_report_error(tmp_path, content, message):
+    """A malformed eval/results.json is one line naming the file and what is wrong in it."""
+    run = _write_run(tmp_path / "run")
+    path = _write_task_results(run, content)
+    with pytest.raises(ReportError, match=message) as info:
+        write_report(run)
+    assert str(info.value).startswith(f"{path}: ")
+    assert "\n" not in str(info.value)
+
+
+def _step_results(step: int) -> dict:
+    """The job's evaluation of its checkpoint at ``step``: niah_single_1 improving with the
+    step at 4k and 8k, its 16k cell not run at step 2; ruler_vt at 4k only."""
+    scores = {("niah_single_1", 4096): 0.5 + 0.05 * step, ("niah_single_1", 8192): 0.1 * step,
+              ("ruler_vt", 4096): 0.1 + 0.1 * step}
+    if step > 2:
+        scores[("niah_single_1", 16384)] = 0.05 * step
+    cells = [{**_TASK_CELL, "task": task, "length": length, "score": score}
+             for (task, length), score in scores.items()]
+    return {**_task_results(cells), "model": {"pretrained": "/ckpt/export", "run": "/runs/r",
+                                              "step": step}}
+
+
+def _write_step_results(run: Path, step: int, results: dict | None = None) -> Path:
+    """``eval/step_<step>/results.json``, where ``RunDirectory.record_task_evaluation`` puts
+    the evaluation at an interval checkpoint."""
+    directory = run / "eval" / f"step_{step:08d}"
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "results.json"
+    path.write_text(json.dumps(results if results is not None else _step_results(step)))
+    return path
+
+
+def test_evaluations_at_checkpoints_are_plotted_by_step_after_tasks(tmp_path):
+    """eval/step_<N>/results.json (eval.tasks_at_checkpoints) add tasks_by_step.png right
+    after tasks.png; a step directory whose evaluation has not written results yet is
+    left out."""
+    run = _write_run(tmp_path / "run")
+    _write_step_results(run, 4)
+    _write_step_results(run, 2)
+    (run / "eval" / f"step_{8:08d}").mkdir()  # the checkpoint at step 8: still evaluating
+    _write_task_results(run, _step_results(6))
+    paths = write_report(run)
+    assert paths == [run / "report" / f"{name}.png"
+                     for name in [*NAMES, "tasks", "tasks_by_step"]]
+    width, height = _png_size(run / "report" / "tasks_by_step.png")
+    assert width >= 600 and height >= 300, (width, height)
+    assert [step for step, _ in read_task_results_by_step(run)] == [2, 4, 6]
+
+
+def test_task_by_step_figure_has_a_line_per_length_through_the_final_evaluation(tmp_path):
+    """Per task (the panels of tasks.png): score x100 against the step of every evaluation
+    that scored the cell, the final one (model.step 6) last; one line per length, labelled
+    as tasks.png labels lengths; the score axis is tasks.png's."""
+    from ringray.plots import _tasks_by_step_figure, _tasks_figure
+
+    run = tmp_path / "run"
+    _write_step_results(run, 2)
+    _write_step_results(run, 4)
+    _write_task_results(run, _step_results(6))
+    fig = _tasks_by_step_figure(read_task_results_by_step(run), "run")
+    niah, vt = fig.axes
+    assert [niah.get_title(), vt.get_title()] == ["niah_single_1", "ruler_vt"]
+    at_4k, at_8k, at_16k = niah.get_lines()
+    assert [list(line.get_xdata()) for line in (at_4k, at_8k)] == [[2, 4, 6], [2, 4, 6]]
+    assert list(at_4k.get_ydata()) == pytest.approx([60.0, 70.0, 80.0])
+    assert list(at_8k.get_ydata()) == pytest.approx([20.0, 40.0, 60.0])
+    assert list(at_16k.get_xdata()) == [4, 6]  # not run at step 2
+    assert list(at_16k.get_ydata()) == pytest.approx([20.0, 30.0])
+    assert [t.get_text() for t in niah.get_legend().get_texts()] == ["4k", "8k", "16k"]
+    (line,) = vt.get_lines()
+    assert list(line.get_xdata()) == [2, 4, 6]
+    assert list(line.get_ydata()) == pytest.approx([30.0, 50.0, 70.0])
+    assert [t.get_text() for t in vt.get_legend().get_texts()] == ["4k"]
+    assert line.get_color() == at_4k.get_color()  # a length's colour is the same everywhere
+    tasks = _tasks_figure(_step_results(6), "run")
+    for ax, same in zip(fig.axes, tasks.axes, strict=True):
+        assert ax.get_ylim() == same.get_ylim()
+        assert ax.get_xlabel() == "training step"
+    assert fig.get_suptitle() == "run · lm_eval 0.4.13"
+
+
+def test_no_evaluations_at_checkpoints_no_by_step_plot(tmp_path):
+    """Only the final eval/results.json (no step_* directory, or none with results yet):
+    tasks.png alone, even when the final results have no model.step."""
+    run = _write_run(tmp_path / "run")
+    _write_task_results(run, _task_results())
+    assert read_task_results_by_step(run) == []
+    assert write_report(run) == [run / "report" / f"{name}.png" for name in [*NAMES, "tasks"]]
+    (run / "eval" / f"step_{2:08d}").mkdir()
+    assert read_task_results_by_step(run) == []
+    assert write_report(run)[-1] == run / "report" / "tasks.png"
+    assert not (run / "report" / "tasks_by_step.png").exists()
+
+
+@pytest.mark.parametrize(("model", "message"), [
+    ({"pretrained": "/ckpt/export"}, r"no model\.step"),
+    ({"pretrained": "/ckpt/export", "step": "4"}, r"model\.step is '4', not a training step"),
+    ({"pretrained": "/ckpt/export", "step": True}, r"model\.step is True, not a training step"),
+    (None, r"no model\.step"),
+])
+def test_a_step_evaluation_without_its_step_is_one_report_error(tmp_path, model, message):
+    """An evaluation at a checkpoint whose results.json does not say its step is one line
+    naming the file and model.step; so is the final one beside evaluations at checkpoints."""
+    run = _write_run(tmp_path / "run")
+    _write_step_results(run, 2)
+    results = _step_results(4)
+    if model is None:
+        del results["model"]
+    else:
+        results["model"] = model
+    path = _write_step_results(run, 4, results)
+    with pytest.raises(ReportError, match=message) as info:
+        write_report(run)
+    assert str(info.value).startswith(f"{path}: ")
+    assert "\n" not in str(info.value)
+
+    path.write_text(json.dumps(_step_results(4)))
+    final = _write_task_results(run, _task_results())  # no model.step
+    with pytest.raises(ReportError, match=r"no model\.step") as info:
+        write_report(run)
+    assert str(info.value).startswith(f"{final}: ")
+
+
+def test_a_damaged_step_evaluation_is_one_report_error_naming_it(tmp_path):
+    """eval/step_<N>/results.json is checked as eval/results.json is, the error naming it."""
+    run = _write_run(tmp_path / "run")
+    path = _write_step_results(run, 2, {**_step_results(2), "lengths": "4096"})
+    with pytest.raises(ReportError, match=r"lengths is '4096', not a list") as info:
+        write_report(run)
+    assert str(info.value).startswith(f"{path}: ")

@@ -447,3 +447,96 @@ def test_eval_over_a_ring_equals_one_process(checkpoint: str, tmp_path: Path) ->
         assert one.pop("loglikelihood", 0.0) == pytest.approx(ring.pop("loglikelihood", 0.0),
                                                               abs=1e-4)
         assert one == ring
+
+
+# ---------------------------------------------------------------------- inside a job
+
+def test_a_job_file_names_only_tasks_it_can_run(tmp_path: Path, monkeypatch) -> None:
+    """The ``eval`` section's tasks are refused before anything starts, one line each,
+    naming the field: an unknown task, one that downloads, lengths past the trained model's
+    positions (with the RoPE setting to change), tasks without lengths and lengths without
+    tasks, ruler_vt with the preset's byte-level tokenizer, lm_eval missing."""
+    from ringray.spec import JobSpecError, load_job_spec
+
+    monkeypatch.chdir(ROOT)
+
+    def refusal(*sets: str) -> str:
+        overrides = [f"run_dir={tmp_path / 'run'}", "train.seq_len=2048", *sets]
+        with pytest.raises(JobSpecError) as caught:
+            load_job_spec("jobs/quickstart.yaml", overrides)
+        assert "\n" not in str(caught.value)
+        return str(caught.value)
+
+    assert refusal("eval.tasks=[niah_single_9]", "eval.task_lengths=[1024]").startswith(
+        "eval.tasks: 'niah_single_9' is not a task that runs offline; valid: niah_single_1, ")
+    assert refusal("eval.tasks=[niah_single_2]", "eval.task_lengths=[1024]").startswith(
+        "eval.tasks: niah_single_2 downloads Paul Graham's essays")
+    assert refusal("eval.tasks=[niah_single_1]", "eval.task_lengths=[8192]") == (
+        "eval.task_lengths: 8192 is past the trained model's position limit 2048 "
+        "(train.seq_len 2048); set model.rope.scaling: yarn with model.rope.factor: 4, or "
+        "give lengths up to 2048")
+    assert "eval.task_lengths: [] gives tasks ['niah_single_1'] no length" in refusal(
+        "eval.tasks=[niah_single_1]")
+    assert "eval.tasks: [] gives task_lengths nothing to run" in refusal(
+        "eval.task_lengths=[1024]")
+    assert refusal("eval.tasks=[ruler_vt]", "eval.task_lengths=[1024]").startswith(
+        "eval.tasks: ruler_vt: lm_eval's generator would never return with this tokenizer")
+    load_job_spec("jobs/quickstart.yaml", [f"run_dir={tmp_path / 'run'}", "train.seq_len=2048",
+                                           "eval.tasks=[niah_single_1, ringray_passkey]",
+                                           "eval.task_lengths=[1024, 2048]"])
+    monkeypatch.setitem(sys.modules, "lm_eval", None)
+    assert refusal("eval.tasks=[niah_single_1]", "eval.task_lengths=[1024]") == (
+        "eval.tasks: lm_eval not installed: the job's evaluation runs them with lm_eval; "
+        "pip install 'ringray[eval]'")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_job_evaluates_its_tasks_after_training(tmp_path: Path) -> None:
+    """``ringray train`` with ``eval.tasks``: after the final checkpoint the job's two
+    workers are one ring for lm_eval (rank 0 exports the checkpoint and builds the data, the
+    other serves its forwards); RUN/eval holds results.json (a cell per task and length, on
+    the final step), samples.jsonl and lm_eval.log; the events name each score; the
+    temporary export beside the checkpoints is gone; ``ringray report`` plots the scores.
+    With ``tasks_at_checkpoints`` the step-1 checkpoint is evaluated too (RUN/eval/step_1).
+    A task the job cannot run is refused before anything starts."""
+    import subprocess
+
+    ringray = str(Path(sys.executable).parent / "ringray")
+    run_dir = tmp_path / "run"
+    job = [ringray, "train", "jobs/quickstart.yaml", "--steps", "2", "--set", "name=tasks",
+           "--set", f"run_dir={run_dir}", "--set", f"train.seq_len={LENGTH}",
+           "--set", "parallel.cp=2", "--set", "eval.passkey_lengths=[]",
+           "--set", "eval.tasks=[ringray_passkey,niah_multikey_3]",
+           "--set", f"eval.task_lengths=[{LENGTH}]", "--set", "eval.task_samples=1",
+           "--set", "checkpoint.interval=1", "--set", "eval.tasks_at_checkpoints=true",
+           "--set", "eval.task_max_gen_toks=3"]
+    done = subprocess.run(job, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((run_dir / "eval" / "results.json").read_text())
+    assert results["model"]["step"] == 2 and results["settings"]["cp"] == 2
+    assert [(c["task"], c["length"], c["samples"]) for c in results["cells"]] == [
+        ("ringray_passkey", LENGTH, 1), ("niah_multikey_3", LENGTH, 1)]
+    samples = (run_dir / "eval" / "samples.jsonl").read_text().splitlines()
+    assert [json.loads(line)["task"] for line in samples] == ["ringray_passkey",
+                                                              "niah_multikey_3"]
+    assert (run_dir / "eval" / "lm_eval.log").is_file()
+    events = [json.loads(line)["message"]
+              for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    scores = [e for e in events if e.startswith("lm_eval tasks: ")]
+    assert len(scores) == 2 and f"ringray_passkey @ {LENGTH}: " in scores[1], events
+    at_step_1 = json.loads((run_dir / "eval" / "step_00000001" / "results.json").read_text())
+    assert at_step_1["model"]["step"] == 1 and len(at_step_1["cells"]) == 2
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()
+            if p.name.startswith(".ringray-eval-export-")] == []
+
+    report = subprocess.run([ringray, "report", str(run_dir)], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert report.returncode == 0, report.stderr
+    assert str(run_dir / "report" / "tasks.png") in report.stdout.split()
+
+    refused = subprocess.run([*job[:-4], "--set", "eval.tasks=[ruler_vt]"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines()[-1].startswith(
+        "error: eval.tasks: ruler_vt: lm_eval's generator would never return"), refused.stderr

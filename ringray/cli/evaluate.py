@@ -10,7 +10,6 @@ length past the model's position limit without RoPE scaling, a missing lm_eval.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import shutil
@@ -24,22 +23,7 @@ import typer
 
 from ringray.cli.common import err, fail, load_run
 
-_NEEDED = (("lm_eval", "lm_eval"), ("wonderwords", "wonderwords"), ("nltk", "nltk"))
-"""Modules RULER needs, and the package each comes from (all in the eval extra)."""
-
 _SCALINGS = ("linear", "llama3", "yarn")
-
-
-def _missing_packages() -> list[str]:
-    missing = []
-    for module, package in _NEEDED:
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except (ImportError, ValueError):  # a parent missing, or a module set to None
-            found = False
-        if not found:
-            missing.append(package)
-    return missing
 
 
 def _csv(text: str) -> list[str]:
@@ -180,7 +164,9 @@ def evaluate(
 
     Example: ringray eval runs/quickstart --tasks niah_single_1,ruler_vt --cp 2 --limit 20
     """
-    missing = _missing_packages()
+    from ringray.harness.ruler import missing_packages
+
+    missing = missing_packages()
     if missing:
         fail(f"{', '.join(missing)} not installed: ringray eval runs RULER with lm_eval; "
              f"pip install 'ringray[eval]'")
@@ -195,6 +181,7 @@ def evaluate(
     from ringray.harness.ruler import MIN_LENGTH, OFFLINE_TASKS, select_tasks
     from ringray.spec import JobSpecError
     from ringray.spec.load import check_output_dir
+    from ringray.train.run_dir import TASK_EVALUATION
 
     offline_environment()  # before anything imports the hub's libraries; the ranks inherit it
 
@@ -214,7 +201,7 @@ def evaluate(
     if (path / "job.yaml").is_file():
         run_options = load_run(target, [], check_paths=False).train_options()
         positions, config = _positions_of_run(run_options), f"{target}/job.yaml"
-        default_out = path / "eval"
+        default_out = path / TASK_EVALUATION
     elif (path / "config.json").is_file():
         positions, config = _config_positions(path), str(path / "config.json")
         default_out = Path(f"eval-{path.resolve().name}")

@@ -1,4 +1,4 @@
-"""``ringray report RUN``: PNG plots of a run's steps."""
+"""``ringray report RUN``: PNG plots of a run's steps and of its evaluations."""
 
 from __future__ import annotations
 
@@ -13,9 +13,12 @@ def report(
                                    "RUN/report."),
 ) -> None:
     """PNG plots of a run's loss, tokens/s, overlap (beside it, the longest wait for a late
-    ring peer) and load imbalance per step, and of passkey retrieval per depth where the run
+    ring peer) and load imbalance per step, of passkey retrieval per depth where the run
     holds passkey evaluations (passkey.json and any passkey-<label>.json beside it, e.g. before
-    and after a context extension).
+    and after a context extension), of each task's score per context length where it holds
+    an lm-evaluation-harness evaluation (eval/results.json, from ringray eval RUN or the job),
+    and of each task's score per training step, one line per context length, where the job
+    also evaluated its checkpoints (eval/step_<step>/results.json, eval.tasks_at_checkpoints).
 
     Example: ringray report runs/quickstart
     """

@@ -458,9 +458,11 @@ def _report_end(status, run_dir: str) -> None:
         out.print(table)
     if status.state == "failed":
         fail(f"job {status.job_name!r} failed at step {status.step}: {status.error}")
+    kept = [name for name in ("passkey.json", "eval/results.json")
+            if (Path(run_dir) / name).exists()]
     out.print(f"job {status.job_name!r} {status.state} at step {status.step}/"
               f"{status.total_steps}; run directory {run_dir} (steps.jsonl, events.jsonl"
-              f"{', passkey.json' if (Path(run_dir) / 'passkey.json').exists() else ''})",
+              f"{''.join(', ' + name for name in kept)})",
               highlight=False, markup=False, soft_wrap=True)  # one line: `status` quotes it
 
 

@@ -102,6 +102,10 @@ class WorkerGroup(Protocol):
     def evaluate(self) -> PasskeyReport | None:
         """The passkey evaluation (interruptible by a stop)."""
 
+    def evaluate_tasks(self, step: int) -> dict[str, str] | None:
+        """The job's ``eval.tasks`` on checkpoint ``step``, its workers one ring
+        (interruptible by a stop): the files written by name, ``None`` with no tasks."""
+
     def poll(self) -> None:
         """Look at the nodes between steps (raises WorkerGroupFailure for a dead one; notes
         drains)."""
@@ -360,6 +364,10 @@ class JobMachine:
             return self._stop(f"stopped at step {ref.step} (checkpointed)")
         if isinstance(then, Evaluate):
             return Evaluating()
+        if self.job.train.eval.tasks_at_checkpoints:
+            ended = self._evaluate_tasks(final=False)
+            if ended is not None:
+                return ended
         return self._after_interval_checkpoint()
 
     def _checkpoint_failed(self, then: object, exc: WorkerGroupFailure | JobError) -> State:
@@ -398,19 +406,46 @@ class JobMachine:
         if not evaluation_due(self.job.train):
             self._teardown()
             return Finished()
-        self.record.event(f"passkey retrieval at lengths {list(passkey.passkey_lengths)}")
+        if passkey.passkey_lengths:
+            self.record.event(f"passkey retrieval at lengths {list(passkey.passkey_lengths)}")
+            try:
+                report = self.workers.evaluate()
+            except StopRequested:
+                return self._stopping(state)
+            except WorkerGroupFailure as exc:
+                return Recovering(failure=exc.failure)
+            except JobError as exc:
+                return self._fail(str(exc))
+            if report is not None:
+                self.record.passkey(report)
+        if passkey.tasks:
+            ended = self._evaluate_tasks(final=True)
+            if ended is not None:
+                return ended
+        self._teardown()
+        return Finished()
+
+    def _evaluate_tasks(self, *, final: bool) -> State | None:
+        """The job's ``eval.tasks`` on the step just checkpointed: ``None`` once their
+        results are recorded, else the state a stop, a lost worker or a deterministic error
+        leads to (the step's checkpoint is committed either way)."""
+        evaluation = self.job.train.eval
+        step = self.step_count
+        self.record.event(f"lm_eval tasks {', '.join(evaluation.tasks)} at lengths "
+                          f"{list(evaluation.task_lengths)}, {evaluation.task_samples} samples "
+                          f"each, on step {step}")
         try:
-            report = self.workers.evaluate()
+            files = self.workers.evaluate_tasks(step)
         except StopRequested:
-            return self._stopping(state)
+            return self._stop(f"stop requested during the task evaluation: abandoned (step "
+                              f"{step}'s checkpoint is committed)")
         except WorkerGroupFailure as exc:
             return Recovering(failure=exc.failure)
         except JobError as exc:
-            return self._fail(str(exc))
-        if report is not None:
-            self.record.passkey(report)
-        self._teardown()
-        return Finished()
+            return self._fail(f"the task evaluation at step {step}: {exc}")
+        if files is not None:
+            self.record.task_results(files, step=None if final else step)
+        return None
 
     # ----------------------------------------------------------------- recovering, resizing
     def _recover(self, state: Recovering) -> State:

@@ -236,6 +236,23 @@ class JobRecord:
         self.run_dir.record_passkey(report)
         self.event(passkey_summary(report))
 
+    def task_results(self, files: dict[str, str], *, step: int | None = None) -> None:
+        """The job's lm_eval task evaluation: its files under ``RUN/eval`` (after training)
+        or ``RUN/eval/step_<step>`` (at an interval checkpoint), each cell's score in
+        Prometheus, and an event with the scores."""
+        directory = self.run_dir.record_task_evaluation(files, step=step)
+        results = json.loads(files.get("results.json") or "{}")
+        cells = results.get("cells", [])
+        if self.metrics is not None:
+            for cell in cells:
+                self.metrics.task_score(task=cell["task"], length=cell["length"],
+                                        score=cell["score"])
+        scores = "; ".join(f"{c['task']} @ {c['length']}: {100 * c['score']:.1f} "
+                           f"({c['samples']} samples)" for c in cells)
+        self.event(f"lm_eval tasks: {scores or 'no cell ran'} ({directory})")
+        for line in results.get("skipped", []):
+            self.event(line)
+
     # ----------------------------------------------------------------- faults
     def restart(self, failure: Failure, *, failed_at_step: int, world_size: int,
                 failures_used: int) -> None:

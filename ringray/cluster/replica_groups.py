@@ -800,6 +800,9 @@ class ReplicatedWorkerGroup:
     def evaluate(self) -> PasskeyReport | None:
         return self._one_group(lambda group: group.evaluate(), "evaluate")
 
+    def evaluate_tasks(self, step: int) -> dict[str, str] | None:
+        return self._one_group(lambda group: group.evaluate_tasks(step), "evaluate")
+
     def poll(self) -> None:
         self._sync()
         for index in alive(self.state):

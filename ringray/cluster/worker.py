@@ -226,6 +226,15 @@ class TrainWorker:
         with self._busy():
             return session.evaluate()
 
+    def evaluate_tasks(self, *, step: int, timeout_seconds: float) -> dict[str, str] | None:
+        """The job's ``eval.tasks`` on checkpoint ``step``, every worker of the group one
+        ring (collective); rank 0 returns the files written by name, the others ``None``."""
+        from ringray.harness.job import evaluate_job_tasks
+
+        session = self._opened()
+        with self._busy():
+            return evaluate_job_tasks(session.options, step=step, timeout_s=timeout_seconds)
+
     @contextmanager
     def _busy(self) -> Iterator[None]:
         """Mark a call in progress, for :meth:`health`; on a GPU worker, make its device

@@ -275,6 +275,22 @@ class RayWorkerGroup:
         except CallTimeout as exc:
             raise WorkerGroupFailure(Failure(kind=FailureKind.HANG, detail=str(exc))) from None
 
+    def evaluate_tasks(self, step: int) -> dict[str, str] | None:
+        evaluation = self.job.train.eval
+        if not evaluation.tasks:
+            return None
+        # Generous: a sample may take a step timeout; the watch sees dead nodes sooner.
+        samples = len(evaluation.tasks) * len(evaluation.task_lengths) * evaluation.task_samples
+        timeout = self.cluster.step_timeout_seconds * (1 + samples)
+        ring_timeout = self.cluster.collective_timeout_seconds
+        try:
+            return self.watch.wait(
+                [w.evaluate_tasks.remote(step=step, timeout_seconds=ring_timeout)
+                 for w in self.workers],
+                timeout=timeout, what="the task evaluation", should_stop=self.should_stop)[0]
+        except CallTimeout as exc:
+            raise WorkerGroupFailure(Failure(kind=FailureKind.HANG, detail=str(exc))) from None
+
     def poll(self) -> None:
         """Between steps: dead nodes raise; a drain is noted for :meth:`take_drain` (the
         decision to move now or checkpoint first is the machine's)."""

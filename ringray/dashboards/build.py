@@ -230,6 +230,15 @@ def job_dashboard() -> dashboard.Dashboard:
                          query(lifetime_quantile(recovery_seconds, 0.9), "p90")))
         .unit("s").min(0),
     ]
+    evaluation = [
+        timeseries_panel("Task score by length", 24, "Score (0 to 1) of each lm_eval task the "
+                         "job evaluates after training (eval.tasks), at each context length "
+                         "(eval.task_lengths): one line per task and length, set when the "
+                         "evaluation ends.")
+        .targets(queries(query(series("ringray_eval_task_score_ratio"),
+                               "{{task}} @ {{length}}")))
+        .min(0).max(1),
+    ]
     heal_seconds = "ringray_replica_heal_duration_seconds"
     replicas = [
         as_steps(timeseries_panel("Replica groups in the quorum", 8, "Replica groups "
@@ -258,9 +267,10 @@ def job_dashboard() -> dashboard.Dashboard:
         .unit("s").min(0),
     ]
     board = _board("ringray-job", "ringray / Job", "A ringray training job: state, "
-                   "throughput, MFU, loss, step time, checkpoints, restarts, recovery and "
-                   "replica groups.")
-    return place(board, [stats, training, step_time, service, checkpoints, failures, replicas])
+                   "throughput, MFU, loss, step time, checkpoints, restarts, recovery, "
+                   "replica groups and the evaluation after training.")
+    return place(board, [stats, training, step_time, service, checkpoints, failures, replicas,
+                         evaluation])
 
 
 def ring_dashboard() -> dashboard.Dashboard:

@@ -31,8 +31,10 @@ from __future__ import annotations
 import logging
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -49,6 +51,8 @@ log = logging.getLogger(__name__)
 
 RINGS_CACHED = 16
 """Ring contexts (layout, agreement) kept, one per padded sequence length."""
+
+T = TypeVar("T")
 
 LOGIT_ROWS = 1024
 """Positions whose logits are computed at once (each ``vocab`` floats)."""
@@ -360,6 +364,17 @@ def stop_followers(groups: Groups | None = None) -> None:
         return
     _broadcast([_STOP, None], groups or current_groups())
     _state.stopped = True
+
+
+def lead(work: Callable[[], T], groups: Groups | None = None) -> T:
+    """Rank 0 of a ring whose other ranks run :func:`serve`: ``work()`` (which drives them
+    through :class:`Lockstep`), then tell them to stop, whether ``work`` returned or raised
+    (nothing after a failed call: see :func:`stop_followers`)."""
+    _state.stopped = _state.broken = False
+    try:
+        return work()
+    finally:
+        stop_followers(groups)
 
 
 def serve(groups: Groups | None = None) -> int:

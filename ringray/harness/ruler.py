@@ -85,6 +85,26 @@ VT_EXAMPLE_LENGTH = 500
 """Tokens ``ruler_vt``'s in-context example must fit (lm_eval's ``vt_utils``)."""
 
 
+NEEDED_PACKAGES = (("lm_eval", "lm_eval"), ("wonderwords", "wonderwords"), ("nltk", "nltk"))
+"""Modules RULER needs, and the package each comes from (all in the eval extra)."""
+
+
+def missing_packages() -> list[str]:
+    """The packages of :data:`NEEDED_PACKAGES` this environment lacks (found without
+    importing them)."""
+    import importlib.util
+
+    missing = []
+    for module, package in NEEDED_PACKAGES:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):  # a parent missing, or a module set to None
+            found = False
+        if not found:
+            missing.append(package)
+    return missing
+
+
 class CellNotBuilt(ValueError):
     """A (task, length) cell whose data cannot be made here (one line)."""
 

@@ -116,6 +116,10 @@ CATALOG: tuple[MetricSpec, ...] = (
                "Unix time the last complete checkpoint was committed.", JOB),
     MetricSpec("ringray_last_checkpoint_step", "gauge",
                "Step of the last complete checkpoint.", JOB),
+    # ---- the job's evaluation after training (eval.tasks)
+    MetricSpec("ringray_eval_task_score_ratio", "gauge",
+               "Score of an lm_eval task (eval.tasks) at a context length (eval.task_lengths) "
+               "after training: the mean over its samples, 0 to 1.", ("job", "task", "length")),
     # ---- replica groups (parallel.dp_replicate)
     MetricSpec("ringray_nonfinite_steps_skipped_total", "counter",
                "Step attempts passed over because their loss or gradient norm was not finite "

@@ -162,6 +162,10 @@ class JobMetrics:
         self._job("ringray_last_checkpoint_step").set(step)
         self._job("ringray_last_checkpoint_timestamp_seconds").set(time.time())
 
+    def task_score(self, *, task: str, length: int, score: float) -> None:
+        self._series["ringray_eval_task_score_ratio"].labels(
+            job=self.job, task=task, length=str(length)).set(score)
+
     # ----------------------------------------------------------------- a step
     def _rank(self, rank: int) -> dict[str, str]:
         node = self._nodes[rank] if rank < len(self._nodes) else ""

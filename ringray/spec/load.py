@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
@@ -61,9 +62,102 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 def parse_job_spec(data: dict) -> JobSpec:
     """Validate a spec given as plain data (no look at this machine's files)."""
     try:
-        return JobSpec.model_validate(data)
+        spec = JobSpec.model_validate(data)
     except ValidationError as exc:
         raise JobSpecError(format_validation_error(exc, JobSpec)) from None
+    check_task_names(spec.eval.tasks)
+    return spec
+
+
+def check_task_names(tasks: Sequence[str]) -> None:
+    """Raise :class:`JobSpecError` (one line) for a name in ``eval.tasks`` that is no task
+    a job runs: unknown, or one that downloads its data (a job's workers may have no
+    network; ``ringray eval`` skips those with a line)."""
+    from ringray.harness.ruler import DOWNLOADING_TASKS, OFFLINE_TASKS
+
+    valid = ", ".join(OFFLINE_TASKS)
+    for name in tasks:
+        if name in DOWNLOADING_TASKS:
+            raise JobSpecError(f"eval.tasks: {name} downloads {DOWNLOADING_TASKS[name]}; a "
+                               f"job runs the tasks that need no download: {valid}")
+        if name not in OFFLINE_TASKS:
+            raise JobSpecError(f"eval.tasks: {name!r} is not a task that runs offline; valid: "
+                               f"{valid}")
+
+
+def task_length_limit(options: TrainOptions) -> tuple[int, str, bool]:
+    """``(the longest eval.task_lengths the trained model takes, why, whether its RoPE is
+    scaled)``: the positions its export declares (``train.seq_len``, or the pretrained
+    checkpoint's ``max_position_embeddings`` when larger), or what the model's RoPE scaling
+    reaches."""
+    from ringray.train.export import read_model_config_positions
+
+    positions = options.train.seq_len
+    where = f"train.seq_len {positions}"
+    if options.pretrained is not None:
+        source = read_model_config_positions(options.pretrained) or 0
+        if source > positions:
+            positions = source
+            where = f"max_position_embeddings {source} of model.from_pretrained"
+    scaling = options.model.rope_scaling
+    if scaling.kind == "none":
+        return positions, where, False
+    original = scaling.original_max_position_embeddings or positions
+    reach = int(original * scaling.factor)
+    if reach > positions:
+        return reach, f"{original} x model.rope.factor {scaling.factor:g}", True
+    return positions, where, True
+
+
+def check_eval_tasks(options: TrainOptions) -> None:
+    """Raise :class:`JobSpecError` (one line) unless this machine can run the job's
+    ``eval.tasks`` after training: lm_eval and RULER's generators installed, every length
+    within the model's position limit (:func:`task_length_limit`), and every (task, length)
+    cell buildable with the model's tokenizer (ruler_vt never finishes with a byte-level
+    one). Refused here, not after the training."""
+    evaluation = options.eval
+    if not evaluation.tasks:
+        return
+    from ringray.harness.ruler import CellNotBuilt, check_buildable, missing_packages
+
+    missing = missing_packages()
+    if missing:
+        raise JobSpecError(f"eval.tasks: {', '.join(missing)} not installed: the job's "
+                           f"evaluation runs them with lm_eval; pip install 'ringray[eval]'")
+    try:
+        limit, where, scaled = task_length_limit(options)
+    except (OSError, ValueError) as exc:
+        raise JobSpecError(f"model.from_pretrained: {' '.join(str(exc).split())}") from None
+    longest = max(evaluation.task_lengths)
+    if longest > limit:
+        remedy = (f"set model.rope.scaling: yarn with model.rope.factor: "
+                  f"{max(2, -(-longest // limit))}" if not scaled else
+                  "raise model.rope.factor")
+        raise JobSpecError(f"eval.task_lengths: {longest} is past the trained model's "
+                           f"position limit {limit} ({where}); {remedy}, or give lengths up "
+                           f"to {limit}")
+    if options.pretrained is not None and "://" in options.pretrained:
+        return  # lm_eval reads a local tokenizer: the export's, checked when it is made
+    tokenizer = _task_tokenizer(options)
+    try:
+        for task in evaluation.tasks:
+            for length in evaluation.task_lengths:
+                check_buildable(task, length, tokenizer)
+    except CellNotBuilt as exc:
+        raise JobSpecError(f"eval.tasks: {exc}") from None
+
+
+def _task_tokenizer(options: TrainOptions):
+    """The tokenizer the trained model's export carries, as lm_eval loads it."""
+    import transformers
+
+    if options.pretrained is not None:
+        return transformers.AutoTokenizer.from_pretrained(options.pretrained)
+    from ringray.data import ByteTokenizer
+
+    with tempfile.TemporaryDirectory(prefix="ringray-tokenizer-") as directory:
+        ByteTokenizer().save_hf(directory)
+        return transformers.AutoTokenizer.from_pretrained(directory)
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -123,6 +217,7 @@ def check_local_paths(spec: JobSpec) -> None:
     options = spec.train_options()
     if options.pretrained is not None:
         check_pretrained(options)
+    check_eval_tasks(options)
     check_output_dir("run_dir", options.run_dir)
     if "://" not in options.checkpoint_location:
         field = "checkpoint.path" if spec.checkpoint.path else "run_dir"

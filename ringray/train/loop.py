@@ -177,12 +177,17 @@ def _train(options: TrainOptions, run_dir: RunDirectory | None, session: Trainin
         saved = _saved(session.checkpoint(), say)  # a run resumed at its last step too
 
     passkey = None
-    if stop_after is None and evaluation_due(options):
-        say(f"passkey retrieval at lengths {list(options.eval.passkey_lengths)} ...")
+    evaluation = options.eval
+    if stop_after is None and evaluation_due(options) and evaluation.passkey_lengths:
+        say(f"passkey retrieval at lengths {list(evaluation.passkey_lengths)} ...")
         passkey = session.evaluate()
         if run_dir is not None:
             run_dir.record_passkey(passkey)
         say(passkey.format_table())
+    if stop_after is None and evaluation.tasks:  # the harness sits above this layer
+        say(f"eval.tasks: the Ray service runs them after training; here, run ringray eval "
+            f"{options.run_dir} --tasks {','.join(evaluation.tasks)} --lengths "
+            f"{','.join(map(str, evaluation.task_lengths))} --limit {evaluation.task_samples}")
     return RunResult(
         resumed_from=resumed_from, last_step=session.step_count, last_stats=last_stats,
         checkpoint=saved, passkey=passkey,

@@ -221,7 +221,9 @@ Depth = Annotated[float, Ge(0), Le(1)]
 
 @dataclass(frozen=True, kw_only=True)
 class EvalOptions:
-    """Passkey retrieval after training (the job spec's ``eval`` section); no lengths: none."""
+    """What the job evaluates after training (the job spec's ``eval`` section): passkey
+    retrieval at ``passkey_lengths``, and lm-evaluation-harness tasks (RULER's offline ones,
+    ``ringray eval``'s) at ``task_lengths``; neither given: no evaluation."""
 
     passkey_lengths: tuple[SeqLen, ...] = ()
     """Context lengths for passkey retrieval after training (none: no evaluation); distinct,
@@ -232,9 +234,26 @@ class EvalOptions:
     """Samples per (length, depth) cell."""
     passkey_seed: int = 1234
     """Seed of the evaluation's samples (the same seed scores the same prompts)."""
+    tasks: tuple[str, ...] = ()
+    """lm-evaluation-harness tasks run after training over the job's workers as one ring
+    (the Ray service; under torchrun, run ``ringray eval RUN`` afterwards): RULER's offline
+    tasks (niah_single_1, niah_multikey_2, niah_multikey_3, ringray_niah_multivalue,
+    ringray_niah_multiquery, ruler_vt, ruler_cwe, ruler_fwe) and ringray_passkey. Results:
+    ``eval/results.json`` in the run directory, Prometheus and ``ringray report``."""
+    task_lengths: tuple[Annotated[int, Ge(1024), Le(MAX_SEQ_LEN)], ...] = ()
+    """Context lengths in tokens for ``tasks`` (each at least 1024, RULER's shortest), up to
+    the model's position limit (its RoPE scaling's reach)."""
+    task_samples: Annotated[int, Ge(1)] = 20
+    """Samples per (task, length) cell (lm_eval's ``limit``; RULER makes 500)."""
+    task_max_gen_toks: Annotated[int, Ge(1)] | None = None
+    """Cap on the tokens a sample generates (RULER's tasks allow 30-128; each token re-runs
+    the prompt); None: each task's own."""
+    tasks_at_checkpoints: bool = False
+    """Also evaluate ``tasks`` after each interval checkpoint (training waits for it; the
+    results go to ``eval/step_<N>/`` and Prometheus), not only after training."""
 
     def __post_init__(self) -> None:
-        for name in ("passkey_lengths", "passkey_depths"):
+        for name in ("passkey_lengths", "passkey_depths", "tasks", "task_lengths"):
             values = getattr(self, name)
             repeats = sorted({v for v in values if values.count(v) > 1})
             if repeats:
@@ -243,6 +262,20 @@ class EvalOptions:
         if self.passkey_lengths and not self.passkey_depths:
             raise ValueError("passkey_depths: [] gives no cells to evaluate; e.g. "
                              "[0.1, 0.5, 0.9]")
+        if self.tasks and not self.task_lengths:
+            raise ValueError(f"task_lengths: [] gives tasks {list(self.tasks)} no length to "
+                             f"run at; e.g. [4096]")
+        if self.tasks_at_checkpoints and not self.tasks:
+            raise ValueError("tasks_at_checkpoints: true with tasks: [] evaluates nothing; "
+                             "name tasks, e.g. [niah_single_1]")
+        if self.task_lengths and not self.tasks:
+            raise ValueError("tasks: [] gives task_lengths nothing to run; name tasks, e.g. "
+                             "[niah_single_1, ruler_vt]")
+
+    @property
+    def due(self) -> bool:
+        """Whether the job evaluates after its final checkpoint."""
+        return bool(self.passkey_lengths or self.tasks)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -38,8 +38,9 @@ def final_checkpoint_due(step: int, saved_step: int | None, options: TrainOption
 
 
 def evaluation_due(options: TrainOptions) -> bool:
-    """Whether the run evaluates after its final checkpoint (``eval.passkey_lengths``)."""
-    return bool(options.eval.passkey_lengths)
+    """Whether the run evaluates after its final checkpoint (``eval.passkey_lengths`` or
+    ``eval.tasks``)."""
+    return options.eval.due
 
 
 def model_config_differences(saved: Mapping[str, object], current: Mapping[str, object]) -> str:

@@ -1,10 +1,11 @@
-"""The writer's side of a run directory: its lock, ``steps.jsonl`` and ``passkey.json``.
+"""The writer's side of a run directory: its lock, ``steps.jsonl``, ``passkey.json``, ``eval/``.
 
     run_dir = RunDirectory("runs/quickstart", job="quickstart")
     note = run_dir.open()                # the lock (its heartbeat keeps it fresh); RunDirInUse
     run_dir.restarted_at(step)           # steps.jsonl cut back to the restored step
     run_dir.record_step(stats)           # one line per step
     run_dir.record_passkey(report)       # passkey.json
+    run_dir.record_task_evaluation(files)  # eval/results.json, samples.jsonl, lm_eval.log
     run_dir.write_run_spec(text)         # job.yaml, whole, once the job has started
     run_dir.close()                      # the lock released
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import fsspec
@@ -29,6 +31,9 @@ from ringray.train.step_stats import StepStats
 STEPS_LOG = "steps.jsonl"
 EVENTS_LOG = "events.jsonl"
 PASSKEY_REPORT = "passkey.json"
+TASK_EVALUATION = "eval"
+"""The directory of the job's lm_eval task evaluation (``ringray eval RUN`` writes there
+too)."""
 RUN_SPEC = "job.yaml"
 """The job file as run (:mod:`ringray.spec.run_spec` makes its text)."""
 
@@ -163,3 +168,20 @@ class RunDirectory:
 
     def record_passkey(self, report: PasskeyReport) -> None:
         (self.path / PASSKEY_REPORT).write_text(json.dumps(report.to_dict(), indent=2))
+
+    def record_task_evaluation(self, files: Mapping[str, str], *,
+                               step: int | None = None) -> Path:
+        """``eval/`` (after training), or ``eval/step_<step>/`` (at an interval
+        checkpoint): the files of the job's lm_eval task evaluation (``results.json``,
+        ``samples.jsonl``, ``lm_eval.log``), each replaced whole; returns the directory."""
+        directory = self.path / TASK_EVALUATION
+        if step is not None:
+            directory = directory / f"step_{step:08d}"
+        directory.mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            if Path(name).name != name:
+                raise ValueError(f"record_task_evaluation: {name!r} is not a file name")
+            partial = directory / f"{name}.partial"
+            partial.write_text(text, encoding="utf-8")
+            partial.replace(directory / name)
+        return directory
