@@ -43,6 +43,9 @@ class MetricSpec:
     help: str
     labels: tuple[str, ...]
     buckets: tuple[float, ...] = ()  # histograms only
+    requires: str = ""
+    """The job-file setting without which the series never exists (its panel stays empty);
+    "" for the series every job exports."""
 
 
 CATALOG: tuple[MetricSpec, ...] = (
@@ -119,7 +122,8 @@ CATALOG: tuple[MetricSpec, ...] = (
     # ---- the job's evaluation after training (eval.tasks)
     MetricSpec("ringray_eval_task_score_ratio", "gauge",
                "Score of an lm_eval task (eval.tasks) at a context length (eval.task_lengths) "
-               "after training: the mean over its samples, 0 to 1.", ("job", "task", "length")),
+               "after training: the mean over its samples, 0 to 1.", ("job", "task", "length"),
+               requires="eval.tasks"),
     # ---- replica groups (parallel.dp_replicate)
     MetricSpec("ringray_nonfinite_steps_skipped_total", "counter",
                "Step attempts passed over because their loss or gradient norm was not finite "
