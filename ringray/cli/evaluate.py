@@ -94,16 +94,6 @@ def _check_lengths(lengths: list[int], limit: int, where: str, scaled: bool,
          f"length up to {limit}")
 
 
-def _positions_of_run(options) -> int:
-    """The max_position_embeddings an export of the run writes (ringray.train.export)."""
-    from ringray.train.export import read_model_config_positions
-
-    positions = options.train.seq_len
-    if options.pretrained is not None:
-        positions = max(positions, read_model_config_positions(options.pretrained) or 0)
-    return positions
-
-
 def _config_positions(pretrained: Path) -> int:
     from ringray.train.export import read_model_config_positions
 
@@ -181,6 +171,7 @@ def evaluate(
     from ringray.harness.ruler import MIN_LENGTH, OFFLINE_TASKS, select_tasks
     from ringray.spec import JobSpecError
     from ringray.spec.load import check_output_dir
+    from ringray.train.export import exported_positions
     from ringray.train.run_dir import TASK_EVALUATION
 
     offline_environment()  # before anything imports the hub's libraries; the ranks inherit it
@@ -200,7 +191,7 @@ def evaluate(
     run_options = None
     if (path / "job.yaml").is_file():
         run_options = load_run(target, [], check_paths=False).train_options()
-        positions, config = _positions_of_run(run_options), f"{target}/job.yaml"
+        positions, config = exported_positions(run_options), f"{target}/job.yaml"
         default_out = path / TASK_EVALUATION
     elif (path / "config.json").is_file():
         positions, config = _config_positions(path), str(path / "config.json")

@@ -329,6 +329,12 @@ def _kept_random_state() -> Iterator[None]:
         np.random.set_state(np_state)
 
 
+def needs_tokenizer(name: str, length: int) -> bool:
+    """Whether :func:`check_buildable` measures ``name`` at ``length`` with the tokenizer
+    (otherwise it passes or refuses without one)."""
+    return name == "ruler_vt" or length < MIN_LENGTH
+
+
 def check_buildable(name: str, length: int, tokenizer: Any) -> None:
     """:class:`CellNotBuilt` (one line) when lm_eval's generator for ``name`` would never
     finish at ``length`` with ``tokenizer`` (a transformers tokenizer): ``ruler_vt``'s loops
@@ -379,7 +385,7 @@ def build_task(name: str, length: int, *, pretrained: str, tokenizer: str | None
         CellNotBuilt: a cell whose data cannot be built (:func:`check_buildable`, a
             generator's own refusal), or whose answers came out empty (one line).
     """
-    if name == "ruler_vt" or length < MIN_LENGTH:
+    if needs_tokenizer(name, length):
         import transformers
 
         check_buildable(name, length, transformers.AutoTokenizer.from_pretrained(

@@ -90,15 +90,11 @@ def task_length_limit(options: TrainOptions) -> tuple[int, str, bool]:
     scaled)``: the positions its export declares (``train.seq_len``, or the pretrained
     checkpoint's ``max_position_embeddings`` when larger), or what the model's RoPE scaling
     reaches."""
-    from ringray.train.export import read_model_config_positions
+    from ringray.train.export import exported_positions
 
-    positions = options.train.seq_len
-    where = f"train.seq_len {positions}"
-    if options.pretrained is not None:
-        source = read_model_config_positions(options.pretrained) or 0
-        if source > positions:
-            positions = source
-            where = f"max_position_embeddings {source} of model.from_pretrained"
+    positions = exported_positions(options)
+    where = (f"train.seq_len {positions}" if positions == options.train.seq_len else
+             f"max_position_embeddings {positions} of model.from_pretrained")
     scaling = options.model.rope_scaling
     if scaling.kind == "none":
         return positions, where, False
@@ -118,7 +114,12 @@ def check_eval_tasks(options: TrainOptions) -> None:
     evaluation = options.eval
     if not evaluation.tasks:
         return
-    from ringray.harness.ruler import CellNotBuilt, check_buildable, missing_packages
+    from ringray.harness.ruler import (
+        CellNotBuilt,
+        check_buildable,
+        missing_packages,
+        needs_tokenizer,
+    )
 
     missing = missing_packages()
     if missing:
@@ -136,13 +137,14 @@ def check_eval_tasks(options: TrainOptions) -> None:
         raise JobSpecError(f"eval.task_lengths: {longest} is past the trained model's "
                            f"position limit {limit} ({where}); {remedy}, or give lengths up "
                            f"to {limit}")
-    if options.pretrained is not None and "://" in options.pretrained:
-        return  # lm_eval reads a local tokenizer: the export's, checked when it is made
+    cells = [(task, length) for task in evaluation.tasks for length in evaluation.task_lengths
+             if needs_tokenizer(task, length)]
+    if not cells or (options.pretrained is not None and "://" in options.pretrained):
+        return  # nothing to measure, or a remote tokenizer: the export's is checked when made
     tokenizer = _task_tokenizer(options)
     try:
-        for task in evaluation.tasks:
-            for length in evaluation.task_lengths:
-                check_buildable(task, length, tokenizer)
+        for task, length in cells:
+            check_buildable(task, length, tokenizer)
     except CellNotBuilt as exc:
         raise JobSpecError(f"eval.tasks: {exc}") from None
 

@@ -114,11 +114,7 @@ def export_hf(options: TrainOptions, out_dir: str, *, step: int | None = None,
         store.load(ref, {"model": part})  # DCP reads these tensors' bytes only
         return part
 
-    positions = options.train.seq_len
-    if options.pretrained is not None:
-        source_positions = read_model_config_positions(options.pretrained)
-        positions = max(positions, source_positions or 0)
-    overrides = {"max_position_embeddings": positions}
+    overrides = {"max_position_embeddings": exported_positions(options)}
     if options.pretrained is None:  # a preset: its tokenizer is the byte one
         tokenizer = ByteTokenizer()
         overrides.update(bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id,
@@ -128,6 +124,15 @@ def export_hf(options: TrainOptions, out_dir: str, *, step: int | None = None,
     if options.pretrained is None:
         ByteTokenizer().save_hf(out_dir)
     return ref
+
+
+def exported_positions(options: TrainOptions) -> int:
+    """The ``max_position_embeddings`` an export of the run declares: ``train.seq_len``, or
+    the pretrained checkpoint's when larger."""
+    positions = options.train.seq_len
+    if options.pretrained is not None:
+        positions = max(positions, read_model_config_positions(options.pretrained) or 0)
+    return positions
 
 
 def read_model_config_positions(path: str) -> int | None:

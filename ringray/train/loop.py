@@ -20,7 +20,7 @@ from ringray.data import PasskeyReport
 from ringray.train.checkpoint import CheckpointRef
 from ringray.train.collective import is_rank0, on_rank0, world_size
 from ringray.train.options import TrainOptions
-from ringray.train.policy import evaluation_due, final_checkpoint_due, steps_below_checkpoint
+from ringray.train.policy import final_checkpoint_due, steps_below_checkpoint
 from ringray.train.replicas import ReplicaMembership, ReplicaSync
 from ringray.train.run_dir import RunDirectory
 from ringray.train.session import Saved, TrainingSession, checkpoint_due, plan_session
@@ -178,7 +178,7 @@ def _train(options: TrainOptions, run_dir: RunDirectory | None, session: Trainin
 
     passkey = None
     evaluation = options.eval
-    if stop_after is None and evaluation_due(options) and evaluation.passkey_lengths:
+    if stop_after is None and evaluation.passkey_lengths:
         say(f"passkey retrieval at lengths {list(evaluation.passkey_lengths)} ...")
         passkey = session.evaluate()
         if run_dir is not None:
