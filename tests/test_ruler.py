@@ -364,6 +364,12 @@ def test_eval_on_a_run_directory(tmp_path: Path, no_network: list, monkeypatch) 
     assert "--rope-scaling yarn --rope-factor 2" in line
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def test_bad_input_is_one_line(checkpoint: str, tmp_path: Path, monkeypatch) -> None:
     """Refused before anything starts, one line and exit code 2 each."""
     cases = [
@@ -380,6 +386,11 @@ def test_bad_input_is_one_line(checkpoint: str, tmp_path: Path, monkeypatch) -> 
         (["--rope-factor", "2"], "error: --rope-factor: needs --rope-scaling"),
         (["--lengths", "512"], "error: --lengths: 512 is below 1024"),
         (["--lengths", "4k"], "error: --lengths: '4k' is not a whole number of tokens"),
+        (["--accelerator", "tpu", "--address", "auto"],
+         "error: --accelerator: 'tpu' is not cpu or gpu"),
+        (["--accelerator", "gpu"], "error: --accelerator: only with --address"),
+        (["--address", f"127.0.0.1:{_free_port()}", "--lengths", str(LENGTH)],
+         "error: --address 127.0.0.1:"),  # nothing answers there: before any export
     ]
     for args, start in cases:
         result = _eval(checkpoint, *args, "--out", str(tmp_path / "out"))
@@ -540,3 +551,62 @@ def test_a_job_evaluates_its_tasks_after_training(tmp_path: Path) -> None:
     assert refused.returncode == 2
     assert refused.stderr.strip().splitlines()[-1].startswith(
         "error: eval.tasks: ruler_vt: lm_eval's generator would never return"), refused.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_eval_on_ray_workers_equals_one_process(checkpoint: str, tmp_path: Path,
+                                                local_cluster) -> None:
+    """``ringray eval --address`` (a separate process, as a user runs it): the ring is two
+    Ray workers of the cluster, placed as a job's are (the head has no worker slots, so they
+    land on the node added here); rank 0's progress is drawn by the command (its first
+    request's line comes through); the samples equal a local cp=1 run's, with log-likelihoods
+    within float32 rounding. A run directory's checkpoint is exported beside the checkpoints
+    and removed after. No placement group or worker actor is left."""
+    import subprocess
+    import time
+
+    local_cluster.add_node("eval_ray", slots=2)
+    args = ["--tasks", "niah_multikey_2,ringray_passkey", "--lengths", str(LENGTH),
+            "--limit", "2", "--max-gen-toks", "5"]
+    one = _eval(checkpoint, *args, "--out", str(tmp_path / "one"))
+    assert one.exit_code == 0, one.output
+    ringray = str(Path(sys.executable).parent / "ringray")
+    done = subprocess.run([ringray, "eval", checkpoint, *args, "--cp", "2", "--address",
+                           local_cluster.cluster.address, "--out", str(tmp_path / "ray")],
+                          capture_output=True, text=True, timeout=500)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "placed a ring of 2 on 1 node(s)" in done.stderr
+    assert "first request (niah_multikey_2 @ 1024)" in done.stderr, done.stderr
+    assert "ringray_passkey @ 1024: " in done.stderr
+    results = json.loads((tmp_path / "ray" / "results.json").read_text())
+    assert results["settings"]["cp"] == 2
+    samples = {name: [json.loads(line) for line in (tmp_path / name / "samples.jsonl").open()]
+               for name in ("one", "ray")}
+    assert len(samples["ray"]) == 4
+    for a, b in zip(samples["one"], samples["ray"], strict=True):
+        assert a.pop("loglikelihood", 0.0) == pytest.approx(b.pop("loglikelihood", 0.0),
+                                                            abs=1e-4)
+        assert a == b
+    # A run directory: its newest checkpoint exported beside the checkpoints (every node
+    # reads them), removed after; the results in RUN/eval.
+    run_dir = _run_dir(tmp_path)
+    done = subprocess.run([ringray, "eval", str(run_dir), "--tasks", "ringray_passkey",
+                           "--lengths", str(LENGTH), "--limit", "1", "--cp", "2",
+                           "--address", local_cluster.cluster.address],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((run_dir / "eval" / "results.json").read_text())
+    assert results["model"]["step"] == 2 and results["settings"]["cp"] == 2
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()
+            if p.name.startswith(".ringray-eval-export-")] == []
+
+    from ray_leftovers import leftovers
+
+    left = leftovers()
+    for _ in range(50):  # the GCS marks a killed actor dead within moments
+        if left == {"actors": [], "placement_groups": []}:
+            break
+        time.sleep(0.2)
+        left = leftovers()
+    assert left == {"actors": [], "placement_groups": []}

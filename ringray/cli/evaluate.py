@@ -146,6 +146,16 @@ def evaluate(
         None, "--out",
         help="Directory for results.json, samples.jsonl and lm_eval.log; default: RUN/eval, "
              "or ./eval-NAME for a Hugging Face directory NAME."),
+    address: str | None = typer.Option(
+        None, "--address",
+        help="Run the ring as Ray workers of the cluster at this address (auto, host:port), "
+             "placed as a job's workers are; the model directory, or the run's checkpoint "
+             "location (where its export goes), must be on storage every node reads. "
+             "Default: local processes."),
+    accelerator: str | None = typer.Option(
+        None, "--accelerator",
+        help="With --address: what each worker owns, cpu (a CPU slot, gloo) or gpu (a GPU, "
+             "NCCL); default: the run's cluster.accelerator, or cpu."),
 ) -> None:
     """Evaluate a run or a Hugging Face checkpoint on RULER's synthetic long-context tasks
     (lm_eval's own, their data made here for each length; nothing is downloaded) and
@@ -153,6 +163,7 @@ def evaluate(
     the time left, prints the scores by task and length, and writes them as JSON.
 
     Example: ringray eval runs/quickstart --tasks niah_single_1,ruler_vt --cp 2 --limit 20
+    On a Ray cluster: ringray eval /shared/ckpt --address auto --cp 8 --lengths 32768
     """
     from ringray.harness.ruler import missing_packages
 
@@ -186,11 +197,17 @@ def evaluate(
     if not chosen:
         fail(f"--tasks: nothing left to run offline; valid: {', '.join(OFFLINE_TASKS)}")
     wanted = _lengths(lengths, MIN_LENGTH)
+    if accelerator is not None and accelerator not in ("cpu", "gpu"):
+        fail(f"--accelerator: {accelerator!r} is not cpu or gpu")
+    if accelerator is not None and address is None:
+        fail("--accelerator: only with --address (local ranks use a GPU each when there are "
+             "enough, else the CPUs)")
 
     path = Path(target)
-    run_options = None
+    run_options = run_cluster = None
     if (path / "job.yaml").is_file():
-        run_options = load_run(target, [], check_paths=False).train_options()
+        run_spec = load_run(target, [], check_paths=False)
+        run_options, run_cluster = run_spec.train_options(), run_spec.job_options().cluster
         positions, config = exported_positions(run_options), f"{target}/job.yaml"
         default_out = path / TASK_EVALUATION
     elif (path / "config.json").is_file():
@@ -211,11 +228,13 @@ def evaluate(
     except JobSpecError as exc:
         fail(str(exc))
 
+    if address is not None:  # before the export: an unreachable cluster costs nothing
+        _connect(address)
     exported = None
     about: dict[str, object] = {"source": str(path.resolve())}
     try:
         if run_options is not None:
-            exported, step = _export(run_options)
+            exported, step = _export(run_options, on_cluster=address is not None)
             about.update(run=str(path.resolve()), step=step)
             pretrained = exported
             rope, limit_length, where = _rope_args(pretrained, positions, rope_scaling,
@@ -233,7 +252,10 @@ def evaluate(
                   f"length(s), {limit or 500} samples each, ring of {cp}; writing to {out_dir}",
                   soft_wrap=True)
         started = time.monotonic()
-        if cp == 1:
+        if address is not None:
+            results = _run_on_ray(plan, address=address, cluster=run_cluster,
+                                  accelerator=accelerator, name=path.resolve().name)
+        elif cp == 1:
             try:
                 results = evaluate_plan(plan)
             except (ValueError, OSError) as exc:
@@ -247,12 +269,16 @@ def evaluate(
     typer.echo(f"results: {out_dir / 'results.json'} ({time.monotonic() - started:.0f} s)")
 
 
-def _export(options) -> tuple[str, int]:
-    """The run's newest checkpoint as a Hugging Face directory in a temporary directory."""
+def _export(options, *, on_cluster: bool = False) -> tuple[str, int]:
+    """The run's newest checkpoint as a Hugging Face directory in a temporary directory:
+    this machine's, or with ``on_cluster`` one beside the checkpoints (every node reads
+    them)."""
+    from ringray.harness.job import export_dir
     from ringray.train.checkpoint import CheckpointError
     from ringray.train.export import export_hf
 
-    directory = Path(tempfile.mkdtemp(prefix="ringray-eval-")) / "hf"
+    parent = export_dir(options) if on_cluster else Path(tempfile.mkdtemp(prefix="ringray-eval-"))
+    directory = parent / "hf"
     try:
         with err.status("exporting the run's newest checkpoint..."):
             ref = export_hf(options, str(directory),
@@ -284,3 +310,78 @@ def _run_ring(plan, entry, error_file: Path) -> dict:
             f"a rank of the ring exited with status {status} (see above)"
         fail(reason)
     return json.loads((Path(plan.out) / RESULTS).read_text(encoding="utf-8"))
+
+
+def _connect(address: str) -> None:
+    from ringray.cluster.driver import RayUnavailable, connect
+
+    try:
+        with err.status(f"connecting to {address}..."):
+            connect(address, local_cpus=1)
+    except RayUnavailable as exc:
+        fail(f"--address {address}: {exc}")
+
+
+def _run_on_ray(plan, *, address: str, cluster, accelerator: str | None, name: str) -> dict:
+    """``plan`` over Ray workers of the cluster at ``address``; rank 0's files are written
+    to ``plan.out`` here, and its results returned, or the command ends in one line."""
+    from ringray.cluster.evaluation import EvaluationFailed, evaluate_on_ray, evaluation_job
+    from ringray.cluster.job_options import ClusterOptions
+    from ringray.harness.evaluate import RESULTS
+
+    cluster = cluster or ClusterOptions()
+    if accelerator is not None and accelerator != cluster.accelerator:
+        cluster = replace(cluster, accelerator=accelerator, worker_resources=None)
+    try:
+        job = evaluation_job(f"eval-{name}", model_dir=plan.pretrained, cp=plan.cp,
+                             lengths=plan.lengths, cluster=cluster)
+    except ValueError as exc:
+        fail(f"--cp {plan.cp}: {' '.join(str(exc).split())}")
+    with _RemoteBar() as bar:
+        try:
+            files = evaluate_on_ray(job, plan, on_progress=bar.update,
+                                    log=lambda line: err.print(line, soft_wrap=True))
+        except EvaluationFailed as exc:
+            fail(str(exc))
+    out = Path(plan.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for file_name, text in files.items():
+        (out / file_name).write_text(text, encoding="utf-8")
+    return json.loads(files[RESULTS])
+
+
+class _RemoteBar:
+    """The progress bar of an evaluation that runs on a Ray worker: rank 0's
+    :class:`~ringray.harness.evaluate.EvalProgress`, drawn here, with its new lines."""
+
+    def __init__(self) -> None:
+        from rich.progress import (
+            BarColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        self.progress = Progress(
+            TextColumn("{task.description}"), BarColumn(),
+            TextColumn("{task.fields[done]}/{task.fields[samples]} samples"),
+            TextColumn("elapsed"), TimeElapsedColumn(), TextColumn("left"),
+            TimeRemainingColumn(), console=err, redirect_stdout=False, redirect_stderr=False)
+        self.bar = self.progress.add_task("starting the ring", total=None, done=0, samples=0)
+        self.printed = 0
+
+    def __enter__(self) -> _RemoteBar:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.stop()
+
+    def update(self, progress) -> None:
+        for line in progress.lines[self.printed:]:
+            self.progress.console.print(line, soft_wrap=True)
+        self.printed = len(progress.lines)
+        self.progress.update(self.bar, description=progress.description,
+                             completed=progress.completed, total=progress.total or None,
+                             done=progress.done, samples=progress.samples)

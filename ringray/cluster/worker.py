@@ -44,6 +44,7 @@ from ringray.cluster.devices import (
 )
 from ringray.cluster.status import WorkerHealth
 from ringray.data import PasskeyReport
+from ringray.harness.evaluate import EvalPlan, EvalProgress
 from ringray.train import StepStats, TrainOptions
 from ringray.train.checkpoint_runs import RunPlan
 from ringray.train.host_memory import release_freed_memory
@@ -234,6 +235,20 @@ class TrainWorker:
         session = self._opened()
         with self._busy():
             return evaluate_job_tasks(session.options, step=step, timeout_s=timeout_seconds)
+
+    def evaluate_plan(self, plan: EvalPlan, *, timeout_seconds: float) -> dict[str, str] | None:
+        """``ringray eval --address``: ``plan`` over every worker of the group as one ring,
+        no training session (collective); rank 0 returns the files written by name."""
+        from ringray.harness.job import evaluate_plan_on_group
+
+        with self._busy():
+            return evaluate_plan_on_group(plan, timeout_s=timeout_seconds)
+
+    def task_progress(self) -> EvalProgress | None:
+        """What rank 0's evaluation has done so far (answered while it runs)."""
+        from ringray.harness.evaluate import progress_now
+
+        return progress_now()
 
     @contextmanager
     def _busy(self) -> Iterator[None]:

@@ -98,6 +98,37 @@ class EvalPlan:
 
 # ---------------------------------------------------------------------- progress
 
+@dataclass(frozen=True)
+class EvalProgress:
+    """What the progress bar shows (:meth:`Reporter.snapshot`): the current cell, the work
+    done and in all (samples weighted by :func:`~ringray.harness.ruler.weight`), the samples
+    done and in all, and every line printed so far."""
+
+    description: str
+    completed: float
+    total: float
+    done: int
+    samples: int
+    lines: tuple[str, ...]
+
+
+_active: Reporter | None = None
+_last: EvalProgress | None = None
+
+
+def progress_now() -> EvalProgress | None:
+    """The open :class:`Reporter`'s :class:`EvalProgress` in this process, else the last
+    one's at its end (until :func:`forget_progress`); ``None`` before any."""
+    reporter = _active
+    return reporter.snapshot() if reporter is not None else _last
+
+
+def forget_progress() -> None:
+    """An evaluation starts: :func:`progress_now` says ``None`` until its reporter opens."""
+    global _last
+    _last = None
+
+
 def _duration(seconds: float) -> str:
     seconds = int(round(seconds))
     if seconds < 60:
@@ -108,7 +139,9 @@ def _duration(seconds: float) -> str:
 
 
 class Reporter:
-    """The progress bar and the lines on stderr (see the module docstring)."""
+    """The progress bar and the lines on stderr (see the module docstring). While one is
+    open, :func:`progress_now` returns what it shows, for a caller in another thread (a Ray
+    worker answering its driver, which draws the bar where the user is)."""
 
     def __init__(self, cells: list[tuple[str, int]], samples: int, *,
                  max_gen_toks: int | None = None, file: TextIO | None = None) -> None:
@@ -137,6 +170,17 @@ class Reporter:
         self.done = 0
         self.first: float | None = None
         self.started_request = time.monotonic()
+        self.lines: list[str] = []
+
+    def _print(self, line: str) -> None:
+        self.lines.append(line)
+        self.console.print(line)
+
+    def snapshot(self) -> EvalProgress:
+        task = self.progress.tasks[0]
+        return EvalProgress(description=task.description, completed=task.completed,
+                        total=task.total or 0, done=self.done,
+                        samples=sum(self.counts.values()), lines=tuple(self.lines))
 
     def _work(self) -> int:
         return sum(count * self._weight(*cell) for cell, count in self.counts.items())
@@ -145,10 +189,14 @@ class Reporter:
         return weight(task, length, self.max_gen_toks)
 
     def __enter__(self) -> Reporter:
+        global _active
         self.progress.start()
+        _active = self
         return self
 
     def __exit__(self, *exc: object) -> None:
+        global _active, _last
+        _active, _last = None, self.snapshot()
         self.progress.stop()
 
     def building(self, task: str, length: int) -> None:
@@ -173,7 +221,7 @@ class Reporter:
             self.first = time.monotonic() - self.started_request
             total = self.progress.tasks[0].total
             estimate = self.first * total / self._weight(task, length)
-            self.console.print(
+            self._print(
                 f"first request ({task} @ {length}): {self.first:.1f} s; estimated time for "
                 f"every request: {_duration(estimate)} (time ~ forwards x length; building "
                 f"each cell's data comes on top)")
@@ -182,12 +230,12 @@ class Reporter:
         """The current cell will not run."""
         self.counts[(task, length)] = 0
         self.progress.update(self.bar, total=self._work(), samples=sum(self.counts.values()))
-        self.console.print(line)
+        self._print(line)
 
     def cell_done(self, task: str, length: int, score: float, count: int,
                   seconds: float) -> None:
-        self.console.print(f"{task} @ {length}: {100 * score:.1f} ({count} samples, "
-                           f"{_duration(seconds)})")
+        self._print(f"{task} @ {length}: {100 * score:.1f} ({count} samples, "
+                    f"{_duration(seconds)})")
 
 
 def reporting(inner: Any, before: Callable[[], None], after: Callable[[], None]) -> Any:
@@ -350,7 +398,7 @@ def evaluate_plan(plan: EvalPlan, *, lm: Any = None, progress_file: TextIO | Non
             Reporter(cells, samples, file=progress_file,
                      max_gen_toks=(plan.gen_kwargs or {}).get("max_gen_toks")) as reporter:
         for line in skipped:
-            reporter.console.print(line)
+            reporter._print(line)
         for task, length in cells:
             try:
                 cell, records = run_cell(lm, task, length, pretrained=plan.pretrained,
