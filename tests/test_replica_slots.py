@@ -291,6 +291,10 @@ class World:
         self.held = threading.Event()  # a held start has begun (so it cannot be cancelled)
         self.groups: list[FakeGroup] = []
         self.digests: dict[int, list[str]] = {}
+        # The Lighthouse's rule when a replacement's manager heartbeats: group 0's quorum
+        # waits (up to 10 s, then its step fails) for group 1's first step.
+        self.quorum_waits = False
+        self.joined = threading.Event()
 
     def make(self, name: str, record) -> FakeGroup:
         group = FakeGroup(self, name, record)
@@ -350,16 +354,34 @@ class FakeGroup:
         return RunPlan(lineage=lineage or "run-1", restore=())
 
     def build(self, options, run, *, replica) -> Restored:
+        # the standby is built ahead with no place (index None), as its record says
         assert replica.index == self.record.index and replica.lighthouse == "http://lh"
+        assert replica.store == self.address  # its process group is formed first
         self._call("build")
+        if replica.index is not None:
+            self._heal_at_first_step()
+        return Restored(step=0, checkpoint=None)
+
+    def take_replica_place(self, replica) -> None:
+        assert self.record.index is not None and replica.index == self.record.index
+        assert self.address is not None and replica.store == self.address
+        self._call("take_place")
+        self._heal_at_first_step()
+
+    def _heal_at_first_step(self) -> None:
         with self.world.lock:  # a replacement: it heals at its first step to the others' next
             newest = max(g.step_count for g in self.world.groups)
         self.fresh = newest > 0
         self.step_count = newest
-        return Restored(step=0, checkpoint=None)
 
     def step(self, *, move_now) -> StepStats:
         self._call("step")
+        if self.world.quorum_waits and self.record.index == 1:
+            self.world.joined.set()
+        if self.world.quorum_waits and self.record.index == 0:
+            self.world.gate.set()  # the held replacement comes up while this step waits
+            if not self.world.joined.wait(10):
+                raise _died("quorum timeout: the replacement never asked")
         healed, self.fresh = self.fresh, False
         self.step_count += 1
         return _stats(self.step_count, healed=healed)
@@ -632,11 +654,11 @@ def test_a_teardown_waits_for_a_start_in_flight_and_tears_down_what_it_made(tmp_
         assert isinstance(groups.state.standby, StandbyReady) and world.left() == (3, 3)
         groups.step(move_now=lambda d: None)
         world.hold_until_torn.add(1)
-        world.fail[(1, "join")] = _died("cannot join")  # the standby cannot join: a new group
+        world.fail[(1, "take_place")] = _died("cannot join")  # the standby fails: a new group
         world.fail[(1, "step")] = _died()
         groups.step(move_now=lambda d: None)
         assert isinstance(groups.state.slots[1], Starting)
-        wait(starts(groups.state), timeout=10)  # the standby's join failed
+        wait(starts(groups.state), timeout=10)  # the standby could not take the place
         groups.step(move_now=lambda d: None)  # a new group starts: held until torn down
         assert world.held.wait(10)
         fresh = groups.state.slots[1]
@@ -645,6 +667,30 @@ def test_a_teardown_waits_for_a_start_in_flight_and_tears_down_what_it_made(tmp_
         assert fresh.group.made_after_teardown and fresh.group.teardowns == 2
         assert world.left() == (0, 0) and groups.state.abandoned == ()
     finally:
+        groups.close()
+    assert world.left() == (0, 0)
+
+
+def test_a_replacement_up_while_the_others_wait_in_a_quorum_joins_that_step(tmp_path
+                                                                           ) -> None:
+    """A replacement whose start returns while the others' step waits in a quorum (its
+    torchft manager heartbeats, so the Lighthouse waits for it): its first call goes out
+    then, into that quorum, and the step commits with it healed. Before, the replacement's
+    first call went out only at the next step, which never came: the others' step waited
+    out the quorum timeout (the standby, which takes its place within 0.1 s of the loss,
+    met this every time)."""
+    world, record = World(), FakeRecord()
+    groups = _started(_groups(tmp_path, world, record))
+    try:
+        _lose_group_1_and_hold_its_replacement(groups, world)
+        world.quorum_waits = True
+        started = time.monotonic()
+        stats = groups.step(move_now=lambda d: None)
+        assert time.monotonic() - started < 5
+        assert stats.step == 3 and stats.healed and record.healed == [1]
+        assert _kinds(groups) == {0: "Live", 1: "Live"}
+    finally:
+        world.gate.set()
         groups.close()
     assert world.left() == (0, 0)
 

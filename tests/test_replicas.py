@@ -257,6 +257,40 @@ def test_a_replica_groups_manager_starts_when_its_trainer_is_built(tmp_path) -> 
     assert made == [(1, 0, 1)]
 
 
+def test_a_standby_is_built_without_a_manager_and_takes_a_lost_groups_place(tmp_path
+                                                                            ) -> None:
+    """A standby group's trainer is built ahead with no place (index None): no torchft
+    manager heartbeats for it, and it cannot step. Taking group 1's place starts group 1's
+    manager and moves its loader to group 1's slice: its step then equals one of a trainer
+    built as group 1 from the start (the same weights from the seed, the same slice)."""
+    options = tiny_options(str(tmp_path), parallel={"dp": 1, "dp_replicate": 2},
+                           train={"global_batch": 4})
+    made = []
+
+    def factory(group, rank, world, state_dict, load_state_dict):
+        made.append(group.index)
+        return _SoloManager([True])
+
+    standby_group = ReplicaMembership(index=None, count=2, lighthouse="-", store=("-", 0))
+    standby = Trainer(options, replicas=ReplicaSync(standby_group, make_manager=factory))
+    assert made == []
+    with pytest.raises(RuntimeError, match="takes a place before it trains"):
+        standby.step()
+    assert standby.loader.next_index == 0 and standby.step_count == 0  # nothing was read
+    place = ReplicaMembership(index=1, count=2, lighthouse="-", store=("-", 0))
+    standby.replicas.take_place(place)
+    assert made == [1] and standby.loader.dp_rank == 1
+    with pytest.raises(RuntimeError, match="already has a place"):
+        standby.replicas.take_place(place)
+    with pytest.raises(ValueError, match="one of the 2 groups' places"):
+        ReplicaSync(standby_group, make_manager=factory).take_place(
+            ReplicaMembership(index=1, count=3, lighthouse="-", store=("-", 0)))
+    stats = standby.step()
+    want = _solo_trainer(options, [True], index=1).step()
+    assert stats.committed and stats.replicas_participating == [1]
+    torch.testing.assert_close(stats.loss, want.loss, atol=0, rtol=0)
+
+
 # ----------------------------------------------------------------- real replica groups
 def _lighthouse(**kwargs):
     from torchft.coordination import LighthouseServer

@@ -77,13 +77,14 @@ class ClusterOptions:
     reaches the average than another (their steps start together). A heal's transfer has
     the longer step timeout."""
     replica_standby: bool | None = None
-    """With parallel.dp_replicate > 1: keep one replica group's workers started ahead on free
-    slots apart from the live groups (processes up, devices set, no process group), so that a
-    lost group's replacement only joins, builds and heals instead of starting processes. The
-    standby holds its slots while it waits. Unset (the default): a standby whenever the live
-    nodes have the free slots for one, and one line saying so when they have not; false:
-    never (a lost group's replacement starts its processes when it is needed); true: as
-    unset, and refused without replica groups."""
+    """With parallel.dp_replicate > 1: keep one replica group built ahead on free slots apart
+    from the live groups (processes up, devices set, process group formed, trainer built with
+    fresh weights; no torchft manager), so that a lost group's replacement only takes its
+    place and heals from a live peer instead of starting processes and building. The standby
+    holds its slots (and its trainer's memory) while it waits. Unset (the default): a
+    standby whenever the live nodes have the free slots for one, and one line saying so when
+    they have not; false: never (a lost group's replacement starts its processes when it is
+    needed); true: as unset, and refused without replica groups."""
 
     @property
     def collective_timeout_seconds(self) -> float:

@@ -97,7 +97,8 @@ class StandbyStarting:
 
 @dataclass(frozen=True)
 class StandbyReady:
-    """The standby's workers up, not in a process group: a replacement only joins."""
+    """The standby built ahead (workers, process group, trainer; no place among the groups
+    yet): a replacement only takes the lost group's place and heals."""
 
     group: Any
 

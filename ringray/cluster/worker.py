@@ -197,6 +197,13 @@ class TrainWorker:
         with self._busy():
             return session.state_digest()
 
+    def take_replica_place(self, replica: ReplicaMembership) -> None:
+        """This rank's standby group, built ahead, takes a lost group's place: it reads that
+        group's slice and joins the quorums (it heals at its first step)."""
+        session = self._opened()
+        with self._busy():
+            session.take_replica_place(replica)
+
     def fall_behind(self) -> None:
         """This rank's replica group heals from a live peer at its next step."""
         session = self._opened()

@@ -225,6 +225,10 @@ class RayWorkerGroup:
         """Each rank's digest of its training state (weights, optimizer, loader, step)."""
         return self._startup_call([w.state_digest.remote() for w in self.workers])
 
+    def take_replica_place(self, replica: ReplicaMembership) -> None:
+        """A standby group, built ahead, takes a lost replica group's place (every rank)."""
+        self._startup_call([w.take_replica_place.remote(replica) for w in self.workers])
+
     def fall_behind(self) -> None:
         """Every rank heals from its peer in a live replica group at the next step."""
         self._startup_call([w.fall_behind.remote() for w in self.workers])

@@ -103,8 +103,10 @@ digits as the group's number)."""
 class ReplicaMembership:
     """Which replica group this process belongs to and how it reaches the others."""
 
-    index: int
-    """This group's index, 0 to count - 1: which slice of each global batch it reads."""
+    index: int | None
+    """This group's index, 0 to count - 1: which slice of each global batch it reads.
+    None: a standby group, built ahead without a place (:meth:`ReplicaSync.take_place`
+    gives it one, when it replaces a lost group)."""
     count: int
     """Replica groups of the job (``parallel.dp_replicate``)."""
     lighthouse: str
@@ -125,12 +127,15 @@ class ReplicaMembership:
     def __post_init__(self) -> None:
         if self.count < 1:
             raise ValueError(f"parallel.dp_replicate: {self.count} must be >= 1")
-        if not 0 <= self.index < self.count:
+        if self.index is not None and not 0 <= self.index < self.count:
             raise ValueError(f"replica index: {self.index} is not one of the "
                              f"{self.count} replica groups (0 to {self.count - 1})")
 
     @property
     def replica_id(self) -> str:
+        if self.index is None:
+            raise RuntimeError("a standby replica group has no replica id until it takes a "
+                               "lost group's place")
         return f"{REPLICA_ID_PREFIX}{self.index}"
 
 
@@ -385,8 +390,29 @@ class ReplicaSync:
 
     # ------------------------------------------------------------- setup
     def loader_slot(self, dp_rank: int, dp: int) -> tuple[int, int]:
-        """``(dp_rank, dp_size)`` this rank's loader reads as (:func:`loader_slot`)."""
-        return loader_slot(self.group.index, self.group.count, dp_rank, dp)
+        """``(dp_rank, dp_size)`` this rank's loader reads as (:func:`loader_slot`); a
+        standby's, as group 0's until it takes its place."""
+        return loader_slot(self.group.index or 0, self.group.count, dp_rank, dp)
+
+    @property
+    def standing_by(self) -> bool:
+        """Built ahead as a standby group, with no place yet (no torchft manager)."""
+        return self.group.index is None
+
+    def take_place(self, group: ReplicaMembership) -> None:
+        """A standby takes a lost group's place: its loader reads that group's slice, and
+        its torchft manager starts heartbeating (its step is behind the others', so it heals
+        from a live peer at its first step, as any replacement does). The trainer, the
+        process group and the probes were built while it stood by."""
+        if not self.standing_by:
+            raise RuntimeError(f"replica group {self.group.index} already has a place")
+        if group.index is None or group.count != self.group.count:
+            raise ValueError(f"a standby takes one of the {self.group.count} groups' places, "
+                             f"not {group.index} of {group.count}")
+        self.group = group
+        trainer = self._trainer
+        trainer.loader.dp_rank = self.loader_slot(trainer.mesh.dp_rank, trainer.mesh.shape.dp)[0]
+        self._manager_for(trainer)
 
     def attach(self, trainer: TrainerView) -> None:
         """Create this rank's torchft ``Manager`` now (the trainer calls it when built), so
@@ -396,10 +422,15 @@ class ReplicaSync:
         known to wait for) would give it a quorum of one: the first steps would run without
         the other groups, which then wait out their quorum timeout. With every group known,
         the first quorum waits for a majority of them, then for the rest up to the join
-        timeout; later quorums form at once from the previous quorum's members."""
-        self._manager_for(trainer)
+        timeout; later quorums form at once from the previous quorum's members. A standby
+        (no index) has no manager until :meth:`take_place`."""
+        self._trainer = trainer
+        if not self.standing_by:
+            self._manager_for(trainer)
 
     def _manager_for(self, trainer: TrainerView) -> ReplicaManager:
+        if self.standing_by:
+            raise RuntimeError("a standby replica group takes a place before it trains")
         if self._manager is None:
             self._trainer = trainer
             self._manager = self._make_manager(

@@ -38,7 +38,7 @@ from ringray.train.checkpoint import (
 )
 from ringray.train.checkpoint_runs import RunPlan, plan_run
 from ringray.train.options import TrainOptions
-from ringray.train.replicas import ReplicaSync
+from ringray.train.replicas import ReplicaMembership, ReplicaSync
 from ringray.train.sharding import local_tensor
 from ringray.train.step_stats import StepStats
 from ringray.train.trainer import Trainer
@@ -188,6 +188,13 @@ class TrainingSession:
         ref = self.trainer.save_checkpoint(self.store)
         warnings, self.store.warnings = tuple(self.store.warnings), []
         return Saved(checkpoint=ref, warnings=warnings)
+
+    def take_replica_place(self, group: ReplicaMembership) -> None:
+        """A standby replica group's session, built ahead, takes a lost group's place
+        (:meth:`~ringray.train.replicas.ReplicaSync.take_place`)."""
+        if self.trainer.replicas is None:
+            raise RuntimeError("take_replica_place: this session belongs to no replica group")
+        self.trainer.replicas.take_place(group)
 
     def fall_behind(self) -> None:
         """This replica group heals from a live peer at its next step (its state differs)."""
