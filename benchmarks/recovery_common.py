@@ -288,21 +288,30 @@ class StepsTail:
 
 
 def replica_figures(steps: list[tuple[float, dict]], killed_at: float,
-                    lost: int = LOST_GROUP) -> dict:
+                    lost: int = LOST_GROUP, healed_step: int | None = None) -> dict:
     """From ``(time, step record)`` pairs in log order (a ``StepStats``'s fields:
-    ``step``, ``committed``, ``replicas_participating``, ``samples_dropped``): when the
-    survivors first committed a step without group ``lost`` after ``killed_at``, when a
-    step was first committed with it again after that, the committed steps logged again
-    (a step number not above one logged before it), the samples dropped after the death
-    and the last step."""
+    ``step``, ``committed``, ``replicas_participating``, ``samples_dropped``, ``healed``):
+    when the survivors first committed a step after ``killed_at`` (without group ``lost``,
+    or with its replacement healed into that very step: a standby that takes the place
+    before the survivors' next quorum forms), when a step was first committed with the
+    replacement (that same step in the second case), the committed steps logged again (a
+    step number not above one logged before it), the samples dropped after the death and
+    the last step. ``healed_step``: the step the replacement healed into, from the job's
+    event (a step record says ``healed`` only when the replacement's call returned with
+    the survivors', not when it returned after them)."""
+
+    def healed(s: dict) -> bool:
+        return bool(s.get("healed")) or s["step"] == healed_step
+
     committed = [(t, s) for t, s in steps if s.get("committed", True)]
     after = [(t, s) for t, s in committed if t > killed_at]
-    alone = next(((t, s) for t, s in after if lost not in s["replicas_participating"]), None)
+    alone = next(((t, s) for t, s in after if lost not in s["replicas_participating"]
+                  or healed(s)), None)
     rejoined = None
     if alone is not None:
         rejoined = next(((t, s) for t, s in after
-                         if t >= alone[0] and s["step"] > alone[1]["step"]
-                         and lost in s["replicas_participating"]), None)
+                         if t >= alone[0] and lost in s["replicas_participating"]
+                         and (s["step"] > alone[1]["step"] or healed(s))), None)
     rolled_back, newest = 0, 0
     for _, s in committed:
         if s["step"] <= newest:

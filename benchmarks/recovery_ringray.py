@@ -170,11 +170,13 @@ def run_ringray_replicas(options: RecoveryBenchOptions, nodes: BenchNodes, work_
                         w.node_id for w in status.workers}:
                     workers_up.append(time.time())
                 return (status.done or replica_figures(
-                    tail.snapshot(), killed_at)["rejoined_at"] is not None)
+                    tail.snapshot(), killed_at, healed_step=_healed_step(_events(run_dir))
+                )["rejoined_at"] is not None)
 
             def tail_or_ended() -> bool:
-                return (_status(controller).done
-                        or tail_done(replica_figures(tail.snapshot(), killed_at), options))
+                return (_status(controller).done or tail_done(replica_figures(
+                    tail.snapshot(), killed_at, healed_step=_healed_step(_events(run_dir))),
+                    options))
 
             if not wait_for(reached_kill_step, timeout=options.start_timeout_seconds):
                 return _gave_up_replicas(system, _status(controller), tail,
@@ -192,8 +194,9 @@ def run_ringray_replicas(options: RecoveryBenchOptions, nodes: BenchNodes, work_
             killed_at = nodes.kill_and_replace(nodes.by_id(doomed), replace=False)
             rejoined = wait_for(rejoined_or_ended, timeout=options.recovery_timeout_seconds)
             wait_for(tail_or_ended, timeout=options.finish_timeout_seconds if rejoined else 0)
-            stopped = not _status(controller).done and tail_done(
-                replica_figures(tail.snapshot(), killed_at), options)
+            stopped = not _status(controller).done and tail_done(replica_figures(
+                tail.snapshot(), killed_at, healed_step=_healed_step(_events(run_dir))),
+                options)
             if stopped:
                 log(f"ringray replicas: stopping the job, {options.replica_tail_steps} steps "
                     f"after the replacement's first")
@@ -215,6 +218,15 @@ def run_ringray_standby(options: RecoveryBenchOptions, nodes: BenchNodes, work_d
                         log: Log) -> RecoveryResult:
     """:func:`run_ringray_replicas` with the replacement's workers started ahead."""
     return run_ringray_replicas(options, nodes, work_dir, log, standby=True)
+
+
+HEALED = re.compile(rf"^replica group {LOST_GROUP} healed from a live peer at step (\d+) ")
+
+
+def _healed_step(events: list[dict]) -> int | None:
+    """The step the replacement healed into, from its event (the last one logged)."""
+    steps = [int(m.group(1)) for e in events if (m := HEALED.match(e["message"]))]
+    return steps[-1] if steps else None
 
 
 def _events(run_dir: Path) -> list[dict]:
@@ -260,7 +272,7 @@ def ringray_replicas_result(status: JobStatus, steps: list[tuple[float, dict]],
         notes.append(f"replacement retried {len(retried)}x: {retried[0][:200]}")
     if cut_back:
         notes.append(f"steps.jsonl cut back {cut_back}x")
-    figures = replica_figures(steps, killed_at)
+    figures = replica_figures(steps, killed_at, healed_step=_healed_step(after))
     return replica_result(
         system, figures, killed_at=killed_at,
         detected_at=None if lost is None else lost["time"],
