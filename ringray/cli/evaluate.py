@@ -355,19 +355,9 @@ class _RemoteBar:
     :class:`~ringray.harness.evaluate.EvalProgress`, drawn here, with its new lines."""
 
     def __init__(self) -> None:
-        from rich.progress import (
-            BarColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
+        from ringray.harness.evaluate import progress_bar
 
-        self.progress = Progress(
-            TextColumn("{task.description}"), BarColumn(),
-            TextColumn("{task.fields[done]}/{task.fields[samples]} samples"),
-            TextColumn("elapsed"), TimeElapsedColumn(), TextColumn("left"),
-            TimeRemainingColumn(), console=err, redirect_stdout=False, redirect_stderr=False)
+        self.progress = progress_bar(err)
         self.bar = self.progress.add_task("starting the ring", total=None, done=0, samples=0)
         self.printed = 0
 

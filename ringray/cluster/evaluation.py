@@ -25,7 +25,7 @@ import ray
 from ringray.cluster.errors import CallTimeout, JobError, StopRequested, WorkerGroupFailure
 from ringray.cluster.job_options import ClusterOptions, JobOptions
 from ringray.cluster.placement import PlacementError
-from ringray.cluster.worker_group import RayWorkerGroup
+from ringray.cluster.worker_group import RayWorkerGroup, task_evaluation_timeout
 from ringray.harness.evaluate import EvalPlan, EvalProgress
 from ringray.harness.ruler import RULER_SAMPLES
 from ringray.model import ModelOptions
@@ -91,7 +91,7 @@ def _run(group: RayWorkerGroup, plan: EvalPlan,
          on_progress: Callable[[EvalProgress], None] | None) -> dict[str, str]:
     cluster = group.job.cluster
     samples = len(plan.tasks) * len(plan.lengths) * (plan.limit or RULER_SAMPLES)
-    timeout = cluster.step_timeout_seconds * (1 + samples)  # as a job's task evaluation
+    timeout = task_evaluation_timeout(cluster, samples)
     calls = [w.evaluate_plan.remote(plan, timeout_seconds=cluster.collective_timeout_seconds)
              for w in group.workers]
     asked: list = []

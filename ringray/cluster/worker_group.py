@@ -26,7 +26,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ringray.cluster.devices import plan_devices
 from ringray.cluster.errors import CallTimeout, JobError, WorkerGroupFailure
-from ringray.cluster.job_options import JobOptions
+from ringray.cluster.job_options import ClusterOptions, JobOptions
 from ringray.cluster.nodes import NODE_ID_LABEL, schedulable_nodes
 from ringray.cluster.placement import (
     LinkBandwidths,
@@ -83,6 +83,13 @@ def _kv_block_bytes(job: JobOptions) -> int:
     repeat = max(1, job.ulysses // model.n_kv_heads)
     return (2 * local_batch * (train.seq_len // job.cp) * model.n_kv_heads * repeat
             * model.head_dim * element)
+
+
+def task_evaluation_timeout(cluster: ClusterOptions, samples: int) -> float:
+    """How long an lm_eval task evaluation of ``samples`` samples in all may take (a job's
+    ``eval.tasks``, or ``ringray eval --address``): generous, a step timeout a sample (the
+    watch sees dead nodes sooner)."""
+    return cluster.step_timeout_seconds * (1 + samples)
 
 
 def request_full_size(job: JobOptions) -> None:
@@ -283,9 +290,8 @@ class RayWorkerGroup:
         evaluation = self.job.train.eval
         if not evaluation.tasks:
             return None
-        # Generous: a sample may take a step timeout; the watch sees dead nodes sooner.
         samples = len(evaluation.tasks) * len(evaluation.task_lengths) * evaluation.task_samples
-        timeout = self.cluster.step_timeout_seconds * (1 + samples)
+        timeout = task_evaluation_timeout(self.cluster, samples)
         ring_timeout = self.cluster.collective_timeout_seconds
         try:
             return self.watch.wait(

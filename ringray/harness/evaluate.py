@@ -138,6 +138,26 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
 
 
+def progress_bar(console: Any) -> Any:
+    """The evaluation's rich progress bar on ``console``: the current cell, the bar, samples
+    done of all, time spent and left (a task's fields: ``done`` and ``samples``). Rank 0's
+    :class:`Reporter` draws it, and ``ringray eval --address`` where the command runs."""
+    from rich.progress import (
+        BarColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    return Progress(
+        TextColumn("{task.description}"), BarColumn(),
+        TextColumn("{task.fields[done]}/{task.fields[samples]} samples"),
+        TextColumn("elapsed"), TimeElapsedColumn(), TextColumn("left"),
+        TimeRemainingColumn(),
+        console=console, redirect_stdout=False, redirect_stderr=False)
+
+
 class Reporter:
     """The progress bar and the lines on stderr (see the module docstring). While one is
     open, :func:`progress_now` returns what it shows, for a caller in another thread (a Ray
@@ -146,24 +166,12 @@ class Reporter:
     def __init__(self, cells: list[tuple[str, int]], samples: int, *,
                  max_gen_toks: int | None = None, file: TextIO | None = None) -> None:
         from rich.console import Console
-        from rich.progress import (
-            BarColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
 
         self.console = Console(file=file or sys.stderr, markup=False, emoji=False,
                                highlight=False)
         self.counts = {cell: samples for cell in cells}
         self.max_gen_toks = max_gen_toks
-        self.progress = Progress(
-            TextColumn("{task.description}"), BarColumn(),
-            TextColumn("{task.fields[done]}/{task.fields[samples]} samples"),
-            TextColumn("elapsed"), TimeElapsedColumn(), TextColumn("left"),
-            TimeRemainingColumn(),
-            console=self.console, redirect_stdout=False, redirect_stderr=False)
+        self.progress = progress_bar(self.console)
         self.bar = self.progress.add_task("starting", total=self._work(), done=0,
                                           samples=sum(self.counts.values()))
         self.cell: tuple[str, int] | None = None
