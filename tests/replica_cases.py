@@ -211,3 +211,76 @@ def train_from_checkpoint(port: int, index: int, rank: int, events: Any,
                      trainer.state_dict())
     sync.shutdown()
     return {"steps": steps, "state": state}
+
+
+class Done:
+    """A finished collective."""
+
+    def wait(self) -> bool:
+        return True
+
+
+class FakeManager:
+    """A torchft ``Manager`` for a quorum of this replica group alone (the others dead):
+    sums over one member are the tensors themselves, and every step is committed."""
+
+    def __init__(self) -> None:
+        self.step = 0  # torchft's: set from the trainer's before each quorum
+
+    def start_quorum(self) -> None:
+        pass
+
+    def allreduce(self, tensor: torch.Tensor, *, reduce_op: object) -> Done:
+        return Done()
+
+    def should_commit(self) -> bool:
+        return True
+
+    def num_participants(self) -> int:
+        return 1
+
+    def shutdown(self, wait: bool = True) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "batches_committed": 0}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        self.step = state_dict["step"]
+
+
+class _TwinQuorum(FakeManager):
+    """A quorum of this group and a twin holding the same tensors: a sum doubles each tensor,
+    in place, as a process group does; records each tensor it is handed, with whether the
+    trainer was inside a backward then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.handed: list[tuple[torch.Tensor, bool]] = []
+
+    def allreduce(self, tensor: torch.Tensor, *, reduce_op: object) -> Done:
+        self.handed.append((tensor, torch._C._current_graph_task_id() != -1))
+        tensor.mul_(2)
+        return Done()
+
+    def num_participants(self) -> int:
+        return 2
+
+
+def rank_sums_of_a_twin_quorum(rank: int, world: int, options: TrainOptions) -> dict:
+    """One step of replica group 0 of 2 (this world) beside a twin group: which tensors the
+    cross-replica sum was handed, in order (``"tally"``, or ``"grad"`` when the tensor is
+    the storage of one of this rank's gradients after the step), whether each was handed
+    inside the backward, and the full gradients after the step."""
+    twin = _TwinQuorum()
+    member = ReplicaMembership(index=0, count=2, lighthouse="-", store=("-", 0))
+    sync = ReplicaSync(member, make_manager=lambda *args: twin)
+    trainer = Trainer(options, replicas=sync)
+    assert trainer.step().committed
+    storages = {local_tensor(p.grad).untyped_storage().data_ptr()
+                for p in trainer.model.parameters()}
+    handed = [("tally" if tensor.dtype == torch.float64 else
+               "grad" if tensor.untyped_storage().data_ptr() in storages else "copy",
+               in_backward) for tensor, in_backward in twin.handed]
+    return {"handed": handed, "grads": gradients(trainer),
+            "params": sum(1 for _ in trainer.model.parameters())}

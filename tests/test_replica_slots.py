@@ -267,12 +267,13 @@ def test_the_current_groups_are_those_at_the_newest_committed_step() -> None:
 
 
 # ----------------------------------------------------------------- against fake groups
-def _stats(step: int, *, healed: bool = False) -> StepStats:
+def _stats(step: int, *, healed: bool = False, participating: tuple[int, ...] = ()
+           ) -> StepStats:
     return StepStats(
         step=step, loss=2.5, grad_norm=0.75, learning_rate=1e-3, step_seconds=0.2, tokens=128,
         tokens_per_second=640.0, attention_compute_seconds=[0.1], exposed_comm_seconds=[0.0],
         overlap_ratio=1.0, load_imbalance=1.0, mfu=None, peak_memory_bytes=1, healed=healed,
-        heal_seconds=0.5 if healed else 0.0)
+        heal_seconds=0.5 if healed else 0.0, replicas_participating=list(participating))
 
 
 class World:
@@ -295,6 +296,7 @@ class World:
         # waits (up to 10 s, then its step fails) for group 1's first step.
         self.quorum_waits = False
         self.joined = threading.Event()
+        self.joiner_lags = 0.0  # seconds group 1's call returns after it joined (its heal)
 
     def make(self, name: str, record) -> FakeGroup:
         group = FakeGroup(self, name, record)
@@ -378,13 +380,16 @@ class FakeGroup:
         self._call("step")
         if self.world.quorum_waits and self.record.index == 1:
             self.world.joined.set()
+            time.sleep(self.world.joiner_lags)
         if self.world.quorum_waits and self.record.index == 0:
             self.world.gate.set()  # the held replacement comes up while this step waits
             if not self.world.joined.wait(10):
                 raise _died("quorum timeout: the replacement never asked")
         healed, self.fresh = self.fresh, False
         self.step_count += 1
-        return _stats(self.step_count, healed=healed)
+        # in the quorum the replacement joined, both groups take part
+        both = (0, 1) if self.world.quorum_waits else ()
+        return _stats(self.step_count, healed=healed, participating=both)
 
     def checkpoint(self) -> Saved:
         self._call("checkpoint")
@@ -671,15 +676,18 @@ def test_a_teardown_waits_for_a_start_in_flight_and_tears_down_what_it_made(tmp_
     assert world.left() == (0, 0)
 
 
-def test_a_replacement_up_while_the_others_wait_in_a_quorum_joins_that_step(tmp_path
-                                                                           ) -> None:
+@pytest.mark.parametrize("lag", [0.0, 0.3], ids=["with-them", "after-them"])
+def test_a_replacement_up_while_the_others_wait_in_a_quorum_joins_that_step(tmp_path,
+                                                                           lag: float) -> None:
     """A replacement whose start returns while the others' step waits in a quorum (its
     torchft manager heartbeats, so the Lighthouse waits for it): its first call goes out
     then, into that quorum, and the step commits with it healed. Before, the replacement's
     first call went out only at the next step, which never came: the others' step waited
     out the quorum timeout (the standby, which takes its place within 0.1 s of the loss,
-    met this every time)."""
+    met this every time). Its call may return after the others' (the heal, then the step):
+    the step is still recorded healed (before, only the event said so)."""
     world, record = World(), FakeRecord()
+    world.joiner_lags = lag
     groups = _started(_groups(tmp_path, world, record))
     try:
         _lose_group_1_and_hold_its_replacement(groups, world)

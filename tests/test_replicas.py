@@ -15,7 +15,10 @@ import pytest
 import torch
 from distributed import run_gloo_ranks
 from replica_cases import (
+    Done,
     Events,
+    FakeManager,
+    rank_sums_of_a_twin_quorum,
     record_replica_steps,
     start_group,
     stop,
@@ -135,39 +138,15 @@ def test_a_replica_index_outside_the_groups_is_refused() -> None:
 
 
 # ----------------------------------------------------------------- the hook, a fake quorum
-class _Done:
-    def wait(self) -> bool:
-        return True
-
-
-class _SoloManager:
-    """A quorum of this replica group alone (the others dead): sums over one member are the
-    tensors themselves; ``should_commit`` answers from a script."""
+class _SoloManager(FakeManager):
+    """A quorum of this replica group alone; ``should_commit`` answers from a script."""
 
     def __init__(self, commits: list[bool]) -> None:
+        super().__init__()
         self.commits = list(commits)
-        self.step = 0  # torchft's: set from the trainer's before each quorum
-
-    def start_quorum(self) -> None:
-        pass
-
-    def allreduce(self, tensor: torch.Tensor, *, reduce_op: object) -> _Done:
-        return _Done()
 
     def should_commit(self) -> bool:
         return self.commits.pop(0)
-
-    def num_participants(self) -> int:
-        return 1
-
-    def shutdown(self, wait: bool = True) -> None:
-        pass
-
-    def state_dict(self) -> dict[str, int]:
-        return {"step": self.step, "batches_committed": 0}
-
-    def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        self.step = state_dict["step"]
 
 
 def _solo(commits: list[bool]):
@@ -289,6 +268,32 @@ def test_a_standby_is_built_without_a_manager_and_takes_a_lost_groups_place(tmp_
     want = _solo_trainer(options, [True], index=1).step()
     assert stats.committed and stats.replicas_participating == [1]
     torch.testing.assert_close(stats.loss, want.loss, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("fsdp", [True, False], ids=["fsdp", "replicated"])
+def test_under_fsdp_the_cross_replica_sum_runs_inside_the_backward_in_place(tmp_path,
+                                                                           fsdp: bool) -> None:
+    """A ring of 2 ranks as replica group 0 beside a twin group (a fake quorum whose sum
+    doubles). Under FSDP each unit's reduced gradient shards are handed to the sum inside
+    the backward, as they are (the gradients' own storage, one hand-off per unit: 2 blocks
+    and the root), and the tally after them; with replicated weights the tally comes first
+    and the gradients go in buffers after the backward. Either way every gradient is summed
+    exactly once: the twin's doubling, scaled back by the participants' labels, leaves the
+    gradients of one world training on this group's slice alone."""
+    parallel = {"dp": 1, "cp": 2, "fsdp": fsdp}
+    options = tiny_options(str(tmp_path / "r"), parallel={**parallel, "dp_replicate": 2},
+                           train={"global_batch": 4})
+    got = run_gloo_ranks(2, rank_sums_of_a_twin_quorum, options, timeout_seconds=240)
+    alone = tiny_options(str(tmp_path / "one"), parallel=parallel, train={"global_batch": 2})
+    want = run_gloo_ranks(2, rank_record_steps, [alone], 1, timeout_seconds=240)[0][0]
+    for rank in got:
+        if fsdp:
+            assert rank["handed"] == [("grad", True)] * 3 + [("tally", False)]
+        else:
+            assert rank["handed"] == [("tally", False), ("copy", False)]
+        for name, grad in want["grads"][0].items():
+            torch.testing.assert_close(rank["grads"][name], grad, atol=1e-6, rtol=1e-6,
+                                       msg=lambda m, n=name: f"{n}: {m}")
 
 
 # ----------------------------------------------------------------- real replica groups
@@ -574,10 +579,10 @@ class _Doubling:
     def __init__(self) -> None:
         self.handed: list[torch.Tensor] = []
 
-    def allreduce(self, tensor: torch.Tensor, *, reduce_op: object) -> _Done:
+    def allreduce(self, tensor: torch.Tensor, *, reduce_op: object) -> Done:
         self.handed.append(tensor)
         tensor.mul_(2)
-        return _Done()
+        return Done()
 
 
 @pytest.mark.parametrize("limit", [1, 40, 64, 2**20])

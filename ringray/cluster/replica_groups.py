@@ -681,6 +681,7 @@ class ReplicatedWorkerGroup:
             waiting = set(holders(self.state))
             committed: list[tuple[int, StepStats]] = []
             resent: set[int] = set()
+            first: set[int] = set()  # replacements' first calls, sent into the others' quorum
             while waiting & set(calls(self.state)):
                 watch = set(waiting) | set(joining(self.state))
                 watched = {call: i for i, call in calls(self.state).items() if i in watch}
@@ -698,6 +699,7 @@ class ReplicatedWorkerGroup:
                     for index in joining(self.state):
                         if self.state.slots[index].call is None:
                             self._send(index, move_now)
+                            first.add(index)
                 for call in [call for call in done if call in watched]:
                     index = watched[call]
                     joined = isinstance(self.state.slots.get(index), Joining)
@@ -715,8 +717,12 @@ class ReplicatedWorkerGroup:
                         self._send(index, move_now)
                         resent.add(index)
             # A call sent again above is most often in the quorum the others just finished:
-            # it returns with them, and taking it now keeps the groups in step.
-            committed += self._settle(resent)
+            # it returns with them, and taking it now keeps the groups in step. So does a
+            # replacement's first call when the others' step counted it (it heals first, so
+            # it may return a little after them): the step is then recorded as healed. One
+            # the others' step did not count waits for their next quorum: not waited for.
+            counted = {i for _, stats in committed for i in stats.replicas_participating}
+            committed += self._settle(resent | (first & counted))
             if committed:
                 stats = max(committed, key=lambda c: (c[1].step, -c[0]))[1]
                 self._apply(JobStepped(stats.step))

@@ -337,7 +337,8 @@ def step_transient_bytes(cfg: ModelConfig, *, shards: int, ranks: int | None,
     - a replicated group's gradient all-reduce (``ranks`` > 1, or ``None``: not known, so
       counted), which copies every gradient into one flat buffer first.
 
-    Replica groups add nothing here: their average runs in buckets of at most
+    Replica groups add nothing here: under FSDP their sum runs in each unit's own reduced
+    gradient shards, inside the backward; with replicated weights in buckets of at most
     ``ringray.train.replicas.AVERAGE_BUCKET_BYTES``, two in flight."""
     local_params = math.ceil(cfg.num_params() / shards)
     adamw = 4 * local_params if foreach else 2 * 4 * math.ceil(largest_param(cfg) / shards)

@@ -74,7 +74,7 @@ from torch.distributed import ReduceOp
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
-from ringray.train.sharding import local_tensor
+from ringray.train.sharding import local_tensor, set_reduce_hook
 from ringray.train.step_stats import StepStats
 
 
@@ -299,10 +299,11 @@ def torchft_manager(group: ReplicaMembership, rank: int, world_size: int,
 
 
 AVERAGE_BUCKET_BYTES = 25 * 2**20
-"""The cross-replica sum packs gradients smaller than this into buffers of at most this many
-bytes, and sums a gradient this large or larger where it is; at most two buffers are in
-flight. (It used to copy every gradient into one flat buffer first: one more gradient set
-per rank, 32 GB for an 8B model in float32.)"""
+"""With replicated weights (under FSDP each unit's reduced shards are summed where they are,
+in the backward), the cross-replica sum packs gradients smaller than this into buffers of at
+most this many bytes, and sums a gradient this large or larger where it is; at most two
+buffers are in flight. (It used to copy every gradient into one flat buffer first: one more
+gradient set per rank, 32 GB for an 8B model in float32.)"""
 
 
 def gradient_buckets(sizes: list[int], limit: int = AVERAGE_BUCKET_BYTES) -> list[list[int]]:
@@ -383,6 +384,7 @@ class ReplicaSync:
         self._trainer: TrainerView | None = None
         self._rng: dict[str, torch.Tensor] = {}
         self._quorum_seconds = 0.0
+        self._summing: list[tuple[Any, torch.Tensor]] = []
         self._healed = False
         self._behind = False
         self.last: ReplicaStep | None = None
@@ -425,6 +427,7 @@ class ReplicaSync:
         timeout; later quorums form at once from the previous quorum's members. A standby
         (no index) has no manager until :meth:`take_place`."""
         self._trainer = trainer
+        set_reduce_hook(trainer.model, self._sum_in_backward)
         if not self.standing_by:
             self._manager_for(trainer)
 
@@ -451,6 +454,15 @@ class ReplicaSync:
         self._quorum_seconds = time.perf_counter() - start
         self._rng = _rng_state(trainer.device)
         self._batch = trainer.loader.next_index  # the batch this attempt reads
+        self._summing = []
+
+    def _sum_in_backward(self, reduced: torch.Tensor) -> None:
+        """FSDP's hook (:func:`~ringray.train.sharding.set_reduce_hook`): start summing one
+        unit's gradient shards with the other groups' as soon as its reduce-scatter is done,
+        in place, while the backward goes on to the units before it; :meth:`sync_gradients`
+        waits for them."""
+        manager = self._manager_for(self._trainer)
+        self._summing.append((manager.allreduce(reduced, reduce_op=ReduceOp.SUM), reduced))
 
     def fall_behind(self) -> None:
         """Heal from a live peer at the next step's start, whatever step this group is at:
@@ -467,10 +479,19 @@ class ReplicaSync:
         the participants' counted labels (:func:`participation_scale`), and ask torchft
         whether the step may be taken. Returns ``(loss_sum, counted_labels, committed)``:
         the participants' loss sum (this rank's share) and counted labels. A step that is
-        not committed is rewound: the loader reads its batch again, the RNG is restored."""
+        not committed is rewound: the loader reads its batch again, the RNG is restored.
+
+        Under FSDP the gradients' sums were started inside the backward, one per unit (each
+        unit's summed shards, where they are: :meth:`_sum_in_backward`); this waits for
+        them. Gradients not summed there (replicated weights) are summed here, in place, in
+        buckets (:func:`sum_in_place`). Every group issues its sums in the same order (the
+        same units in the same backward, then the tally, then the rest)."""
         manager = self._manager_for(trainer)
         group, batch = self.group, self._batch
+        summing, self._summing = self._summing, []
+        summed = {reduced.untyped_storage().data_ptr() for _, reduced in summing}
         grads = [local_tensor(p.grad) for p in trainer.model.parameters()]
+        rest = [grad for grad in grads if grad.untyped_storage().data_ptr() not in summed]
         mine = trainer.loader.counted_labels(
             batch, documents=trainer.options.data.documents,
             rows=replica_rows(group.index, group.count, trainer.options.train.global_batch))
@@ -478,7 +499,9 @@ class ReplicaSync:
         tally = torch.zeros(2 + group.count, dtype=torch.float64, device=trainer.device)
         tally[0], tally[1], tally[2 + group.index] = loss_sum.double(), mine, 1.0
         tallied = manager.allreduce(tally, reduce_op=ReduceOp.SUM)
-        sum_in_place(manager, grads)
+        sum_in_place(manager, rest)
+        for work, _ in summing:
+            work.wait()
         tallied.wait()
         committed = manager.should_commit()
         quorum_size = manager.num_participants()

@@ -36,7 +36,7 @@ the blocks' boundaries (``cast_forward_inputs=False``): the rotary tables stay f
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -68,6 +68,24 @@ def shard_model(model: Transformer, mesh: DeviceMesh, *,
         unit.set_gradient_divide_factor(1.0)  # sum over ranks: the loss is already scaled
         unit.set_force_sum_reduction_for_comms(True)
     return units
+
+
+def set_reduce_hook(model: nn.Module, hook: Callable[[torch.Tensor], None]) -> int:
+    """Have FSDP call ``hook(reduced)`` inside the backward, on each unit of ``model`` right
+    after its reduce-scatter: ``reduced`` is the unit's summed gradient shards, one flat
+    buffer that its parameters' ``.grad`` then view (FSDP2's all-reduce hook, made for an
+    all-reduce over replicas outside FSDP's own mesh). Returns how many units were hooked:
+    0 for a model FSDP does not shard.
+
+    The hook may start an asynchronous in-place reduction of ``reduced`` and return: with
+    every reduction a plain float32 or bfloat16 SUM in the parameters' dtype
+    (:func:`shard_model`), FSDP neither scales nor copies the buffer afterwards, and with
+    the gradients set to ``None`` before each backward it adds nothing into it; the caller
+    waits for the reductions before anything reads a gradient."""
+    units = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    for unit in units:
+        unit.set_all_reduce_hook(hook)
+    return len(units)
 
 
 def all_reduce_gradients(model: nn.Module) -> None:
