@@ -110,10 +110,12 @@ class Events:
                 and s["incarnation"] == incarnation]
 
 
-def _sync(port: int, index: int, count: int, lighthouse: str) -> ReplicaSync:
+def _sync(port: int, index: int, count: int, lighthouse: str,
+          heal_transport: str = "http") -> ReplicaSync:
     return ReplicaSync(ReplicaMembership(
         index=index, count=count, lighthouse=lighthouse, store=("127.0.0.1", port),
-        timeout_seconds=TIMEOUT_SECONDS, quorum_timeout_seconds=120.0))
+        timeout_seconds=TIMEOUT_SECONDS, quorum_timeout_seconds=120.0,
+        heal_transport=heal_transport))
 
 
 # ----------------------------------------------------------------- rank functions
@@ -185,14 +187,15 @@ def _die_after_quorum(sync: ReplicaSync, events: Any, index: int, rank: int) -> 
 
 def train_from_checkpoint(port: int, index: int, rank: int, events: Any,
                           options: TrainOptions, lighthouse: str, restore_step: int | None,
-                          perturb: bool, until: int) -> dict:
+                          perturb: bool, until: int, heal_transport: str = "http") -> dict:
     """Replica ``index`` restores the checkpoint of ``restore_step`` from ``options``'s
     checkpoint location (None: starts from the seed's weights, as a replacement does),
     with ``perturb`` adds 1e-3 to one weight and falls behind (as the controller makes a
-    group whose digest differs), then trains to step ``until``. Returns its steps and state."""
+    group whose digest differs), then trains to step ``until``, a heal's state coming by
+    ``heal_transport``. Returns its steps and state."""
     from ringray.train.checkpoint import CheckpointStore
 
-    sync = _sync(port, index, options.parallel.dp_replicate, lighthouse)
+    sync = _sync(port, index, options.parallel.dp_replicate, lighthouse, heal_transport)
     trainer = Trainer(options, replicas=sync)
     if restore_step is not None:
         store = CheckpointStore(options.checkpoint_location)

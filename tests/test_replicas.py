@@ -533,10 +533,14 @@ def test_torchft_advertises_the_address_of_the_route_to_the_lighthouse_not_the_h
 
 
 # ----------------------------------------------------------------- torchft's step
-@pytest.mark.parametrize(("behind", "perturb"), [(None, False), (2, False), (4, True)],
-                         ids=["fresh-replacement", "older-checkpoint", "same-step-other-state"])
+@pytest.mark.parametrize(("behind", "perturb", "transport"),
+                         [(None, False, "http"), (2, False, "http"), (4, True, "http"),
+                          (None, False, "process_group")],
+                         ids=["fresh-replacement", "older-checkpoint", "same-step-other-state",
+                              "fresh-replacement-over-the-process-group"])
 def test_groups_that_would_average_different_weights_heal_first(tmp_path, behind: int | None,
-                                                                 perturb: bool) -> None:
+                                                                 perturb: bool, transport: str
+                                                                 ) -> None:
     """Group 0 restores step 4; group 1 starts from the seed's weights (a replacement joining
     the first quorum after a restart), restores step 2 (its own fallback), or restores step 4
     and holds another state (a digest that differed: the controller makes it fall behind).
@@ -544,7 +548,8 @@ def test_groups_that_would_average_different_weights_heal_first(tmp_path, behind
     from 0 at start: before the managers' step was set from the trainers', none of these
     healed and the groups averaged gradients of different weights every step. Now group 1
     heals from group 0 at its first step, trains steps 5 and 6 with it, and both end bit for
-    bit the same (weights, AdamW state, loader, RNG, step)."""
+    bit the same (weights, AdamW state, loader, RNG, step). The state comes over torchft's
+    HTTP checkpoint server, or over the replica process group (``process_group``)."""
     options = tiny_options(str(tmp_path), parallel={"dp": 1, "dp_replicate": 2},
                            train={"global_batch": 4}, checkpoint={"keep": 3})
     saver = _solo_trainer(options, [True] * 4)
@@ -555,7 +560,7 @@ def test_groups_that_would_average_different_weights_heal_first(tmp_path, behind
             saver.save_checkpoint(store)
     restores = {0: 4, 1: behind}
     events = _two_groups(train_from_checkpoint, lambda r, address: (
-        options, address, restores[r], perturb and r == 1, 6), timeout_seconds=120)
+        options, address, restores[r], perturb and r == 1, 6, transport), timeout_seconds=120)
     ahead, healing = events.done[(0, 0)], events.done[(1, 0)]
     want = [{"step": s, "committed": True, "healed": False, "participating": [0, 1]}
             for s in (5, 6)]

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 from distributed import free_loopback_port
 
-from ringray.spec import load_job_spec
+from ringray.spec import JobSpecError, load_job_spec
 from ringray.train.__main__ import group_run, replica_membership
+from ringray.train.replicas import ReplicaMembership
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "jobs" / "quickstart.yaml"
@@ -43,6 +44,25 @@ def test_replica_groups_need_a_group_a_lighthouse_and_torchrun_each_said_in_one_
         replica_membership(2, 2, "http://h:1", torchrun)
     member = replica_membership(2, 1, "http://h:1", torchrun)
     assert (member.index, member.count, member.store) == (1, 2, ("127.0.0.1", 29601))
+
+
+def test_a_torchrun_group_takes_the_job_files_replica_timeouts_and_heal_transport() -> None:
+    """Under torchrun as on Ray, the ``cluster`` section's replica settings reach the group
+    (before, torchrun's groups had the defaults whatever the job file said)."""
+    torchrun = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29601"}
+    spec = load_job_spec(QUICKSTART, ["cluster.replica_heal_transport=process_group",
+                                      "cluster.step_timeout_seconds=40",
+                                      "cluster.replica_collective_timeout_seconds=7"])
+    member = replica_membership(2, 1, "http://h:1", torchrun, **spec.replica_settings())
+    assert member.heal_transport == "process_group"
+    assert (member.timeout_seconds, member.quorum_timeout_seconds) == (20.0, 40.0)
+    assert member.collective_timeout_seconds == 7.0
+    with pytest.raises(JobSpecError, match=r"cluster.replica_heal_transport"):
+        load_job_spec(QUICKSTART, ["cluster.replica_heal_transport=ftp"])
+    with pytest.raises(ValueError, match=r"^cluster.replica_heal_transport: 'ftp' is not one "
+                                         r"of http, process_group$"):
+        ReplicaMembership(index=0, count=2, lighthouse="-", store=("-", 0),
+                          heal_transport="ftp")
 
 
 def test_each_group_runs_in_a_directory_of_its_own(tmp_path: Path) -> None:

@@ -76,6 +76,10 @@ class ClusterOptions:
     dead one costs nothing: its connections close). It must cover how much later one group
     reaches the average than another (their steps start together). A heal's transfer has
     the longer step timeout."""
+    replica_heal_transport: Literal["http", "process_group"] = "http"
+    """With parallel.dp_replicate > 1: how a group behind (a replacement, a restart) receives a
+    live peer's state: http (torchft's checkpoint server on each rank) or process_group (over
+    the replica process group the averages use: gloo on CPU, NCCL on GPUs)."""
     replica_standby: bool | None = None
     """With parallel.dp_replicate > 1: keep one replica group built ahead on free slots apart
     from the live groups (processes up, devices set, process group formed, trainer built with
@@ -85,6 +89,16 @@ class ClusterOptions:
     standby whenever the live nodes have the free slots for one, and one line saying so when
     they have not; false: never (a lost group's replacement starts its processes when it is
     needed); true: as unset, and refused without replica groups."""
+
+    def replica_settings(self) -> dict:
+        """A replica group's timeouts and heal transport, as
+        :class:`~ringray.train.replicas.ReplicaMembership` takes them (on Ray and under
+        torchrun alike): a ``should_commit`` or a heal waits half a step timeout, a quorum a
+        whole one."""
+        return dict(timeout_seconds=max(1.0, self.step_timeout_seconds / 2),
+                    collective_timeout_seconds=self.replica_collective_timeout_seconds,
+                    quorum_timeout_seconds=self.step_timeout_seconds,
+                    heal_transport=self.replica_heal_transport)
 
     @property
     def collective_timeout_seconds(self) -> float:

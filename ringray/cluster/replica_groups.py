@@ -295,13 +295,8 @@ def _membership(job: JobOptions, index: int | None, lighthouse: str | None,
                 address: tuple[str, int] | None) -> ReplicaMembership:
     """Group ``index``'s place among the job's replica groups (None: the standby's, no place
     yet; ``address``: its rank 0's store)."""
-    cluster = job.cluster
     return ReplicaMembership(index=index, count=job.replicas, lighthouse=lighthouse,
-                             store=address,
-                             timeout_seconds=max(1.0, cluster.step_timeout_seconds / 2),
-                             collective_timeout_seconds=cluster
-                             .replica_collective_timeout_seconds,
-                             quorum_timeout_seconds=cluster.step_timeout_seconds)
+                             store=address, **job.cluster.replica_settings())
 
 
 # The calls run on the pool's threads: only Ray calls on the group they are given, and values

@@ -151,6 +151,11 @@ class JobSpec(Section):
         the same bound under torchrun as on Ray."""
         return self._section("cluster").collective_timeout_seconds
 
+    def replica_settings(self) -> dict:
+        """A replica group's timeouts and heal transport from the ``cluster`` section
+        (:meth:`ClusterOptions.replica_settings`): under torchrun as on Ray."""
+        return self._section("cluster").replica_settings()
+
     def job_options(self) -> JobOptions:
         """What the Ray controller runs (``ringray train``): the mesh must be explicit."""
         for field in ("dp", "cp"):

@@ -45,9 +45,11 @@ LIGHTHOUSE_VARIABLE = "TORCHFT_LIGHTHOUSE"
 
 
 def replica_membership(count: int, index: int | None, lighthouse: str | None,
-                       environ: Mapping[str, str]) -> ReplicaMembership | None:
+                       environ: Mapping[str, str], **settings: object
+                       ) -> ReplicaMembership | None:
     """This torchrun's replica group, from ``--replica-group`` and ``--lighthouse``, its
-    store being torchrun's (MASTER_ADDR, MASTER_PORT); None without replica groups.
+    store being torchrun's (MASTER_ADDR, MASTER_PORT), with the job file's ``settings``
+    (timeouts, heal transport); None without replica groups.
 
     Raises:
         ValueError: one line naming what is missing or does not fit.
@@ -72,7 +74,8 @@ def replica_membership(count: int, index: int | None, lighthouse: str | None,
                          f"MASTER_ADDR:MASTER_PORT, is the group's), e.g. torchrun "
                          f"--nproc-per-node 1 --master-port 29601 -m ringray.train ...")
     return ReplicaMembership(index=index, count=count, lighthouse=lighthouse,
-                             store=(environ["MASTER_ADDR"], int(environ["MASTER_PORT"])))
+                             store=(environ["MASTER_ADDR"], int(environ["MASTER_PORT"])),
+                             **settings)
 
 
 def group_run(options: TrainOptions, index: int) -> TrainOptions:
@@ -127,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     options = spec.train_options()
     try:
         replica = replica_membership(options.parallel.dp_replicate, args.replica_group,
-                                     args.lighthouse, os.environ)
+                                     args.lighthouse, os.environ, **spec.replica_settings())
     except ValueError as exc:
         if is_rank0:
             print(f"error: {exc}", file=sys.stderr)

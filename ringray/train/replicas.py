@@ -93,6 +93,9 @@ class TrainerView(Protocol):
 
     def load_state_dict(self, state: dict) -> None: ...
 
+HEAL_TRANSPORTS = ("http", "process_group")
+"""How a heal's state travels (:attr:`ReplicaMembership.heal_transport`)."""
+
 REPLICA_ID_PREFIX = "ringray_replica_"
 """A group's torchft replica id is this prefix and its index (torchft reads the trailing
 digits as the group's number)."""
@@ -123,10 +126,18 @@ class ReplicaMembership:
     not committed and the next one forms its quorum without that group."""
     quorum_timeout_seconds: float = 60.0
     """How long a step's start waits for the quorum to form."""
+    heal_transport: str = "http"
+    """How a group behind receives a live peer's state (:data:`HEAL_TRANSPORTS`): ``http``,
+    torchft's checkpoint server on each rank (the state served from host memory), or
+    ``process_group``, sent over the replica process group the averages use (torchft's
+    ``PGTransport``: gloo on CPU, NCCL from device memory on GPUs)."""
 
     def __post_init__(self) -> None:
         if self.count < 1:
             raise ValueError(f"parallel.dp_replicate: {self.count} must be >= 1")
+        if self.heal_transport not in HEAL_TRANSPORTS:
+            raise ValueError(f"cluster.replica_heal_transport: {self.heal_transport!r} is not "
+                             f"one of {', '.join(HEAL_TRANSPORTS)}")
         if self.index is not None and not 0 <= self.index < self.count:
             raise ValueError(f"replica index: {self.index} is not one of the "
                              f"{self.count} replica groups (0 to {self.count - 1})")
@@ -284,17 +295,24 @@ def torchft_manager(group: ReplicaMembership, rank: int, world_size: int,
     # The process group's own timeout bounds each average; the manager's (longer) bounds
     # should_commit and a heal's transfer, which moves the whole state.
     collective = timedelta(seconds=group.collective_timeout_seconds)
-    pg = (torchft.ProcessGroupNCCL(timeout=collective) if torch.cuda.is_available()
+    cuda = torch.cuda.is_available()
+    pg = (torchft.ProcessGroupNCCL(timeout=collective) if cuda
           else torchft.ProcessGroupGloo(timeout=collective))
     host, port = group.store
     me = advertised_host(group.lighthouse)
+    if group.heal_transport == "process_group":
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        pg_transport = importlib.import_module("torchft.checkpointing.pg_transport")
+        transport = pg_transport.PGTransport(pg, timeout=timeout, device=device)
+    else:
+        transport = _advertising_transport(torchft, me, timeout)
     return torchft.Manager(
         pg=pg, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=1,
         use_async_quorum=False, init_sync=False, timeout=timeout,
         quorum_timeout=timedelta(seconds=group.quorum_timeout_seconds),
         connect_timeout=timeout, rank=rank, world_size=world_size, store_addr=host,
         store_port=port, lighthouse_addr=group.lighthouse, replica_id=group.replica_id,
-        hostname=me, checkpoint_transport=_advertising_transport(torchft, me, timeout),
+        hostname=me, checkpoint_transport=transport,
     )
 
 
