@@ -3,6 +3,8 @@ on one rank never leaves the other ranks of the ring waiting."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from distributed import RanksFailed, run_gloo_ranks
@@ -116,6 +118,28 @@ def test_harness_reports_a_hang_instead_of_waiting():
     """The multi-process harness itself is bounded: a stuck rank is a failure, not a hang."""
     with pytest.raises(RanksFailed, match=r"ranks \[0\] did not finish within 8s"):
         run_gloo_ranks(2, hangs_forever, timeout_seconds=8)
+
+
+def environment_and_parent(rank: int, world: int) -> tuple[str | None, int, bool]:
+    import os
+    import sys
+
+    return os.environ.get("RINGRAY_TEST_MARK"), os.getppid(), "ringray.train" in sys.modules
+
+
+def test_ranks_fork_from_one_server_and_take_the_callers_environment(monkeypatch):
+    """The ranks come from one fork server that imported the training stack (no rank imports
+    it afresh), and each sees the caller's environment as it is at the call, not as it was
+    when the server started."""
+    monkeypatch.setenv("RINGRAY_TEST_MARK", "first")
+    first = run_gloo_ranks(2, environment_and_parent)
+    monkeypatch.setenv("RINGRAY_TEST_MARK", "second")
+    second = run_gloo_ranks(2, environment_and_parent)
+    assert [mark for mark, _, _ in first] == ["first", "first"]
+    assert [mark for mark, _, _ in second] == ["second", "second"]
+    parents = {parent for _, parent, _ in first + second}
+    assert len(parents) == 1 and os.getpid() not in parents  # the fork server, not this test
+    assert all(preloaded for _, _, preloaded in first + second)
 
 
 def test_bad_documents_name_the_argument():
