@@ -254,3 +254,42 @@ def test_a_stop_while_waiting_for_capacity_stops_within_seconds(nodes, tmp_path:
     assert status.state == "stopped", status.error
     assert time.monotonic() - asked < 10
     assert any("stopped before the job was placed" in e for e in _events(tmp_path / "ray"))
+
+
+class _Events:
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def event(self, message: str, *, exc: BaseException | None = None) -> None:
+        self.events.append(message)
+
+
+def test_a_lighthouse_that_does_not_answer_in_time_is_a_startup_failure(nodes, tmp_path: Path
+                                                                         ) -> None:
+    """The torchft Lighthouse actor not answering within ``cluster.startup_timeout_seconds``
+    (a loaded head node: one took over 120 s at a load of 4.5 on 2 cores) is a startup
+    failure, which the machine retries within ``max_failures``, and the actor is killed.
+    Before, Ray's GetTimeoutError escaped as a controller error and failed the job at step
+    0. A start in time then answers with the same actor name."""
+    from ringray.cluster.errors import WorkerGroupFailure
+    from ringray.cluster.job_options import JobOptions
+    from ringray.cluster.policy import FailureKind
+    from ringray.cluster.replica_groups import RayLighthouse
+
+    train = job_options(str(tmp_path), parallel={"dp_replicate": 2})
+    late = JobOptions(name="lighthouse-late", train=train,
+                      cluster=cluster_options("lighthouse", startup_timeout_seconds=0.001))
+    record = _Events()
+    lighthouse = RayLighthouse(late, record)
+    with pytest.raises(WorkerGroupFailure) as caught:
+        lighthouse.start()
+    assert caught.value.failure.kind is FailureKind.STARTUP
+    assert caught.value.failure.detail == (
+        "the torchft Lighthouse actor on the head node did not answer within 0.001 s "
+        "(cluster.startup_timeout_seconds)")
+    assert lighthouse.actor is None and record.events == []
+    in_time = RayLighthouse(replace(late, cluster=cluster_options("lighthouse")), record)
+    try:
+        assert in_time.start().startswith("http://")
+    finally:
+        in_time.kill()

@@ -264,7 +264,13 @@ class RayLighthouse:
         self.actor = None
 
     def start(self) -> str:
-        """A new Lighthouse (an older one killed first); returns its address."""
+        """A new Lighthouse (an older one killed first); returns its address.
+
+        Raises:
+            WorkerGroupFailure: a startup failure (retried as a worker start is, within
+                ``cluster.max_failures``): the actor died, or did not answer within
+                ``cluster.startup_timeout_seconds`` (a loaded head node; it is killed).
+        """
         self.kill()
         cluster = self.job.cluster
         heartbeat_ms = round(cluster.replica_heartbeat_seconds * 1000)
@@ -272,7 +278,17 @@ class RayLighthouse:
             num_cpus=0, resources={HEAD_NODE_RESOURCE: 0.001}, max_restarts=0,
             name=f"ringray-{self.job.name}-lighthouse").remote(
             min_replicas=1, join_timeout_ms=heartbeat_ms, heartbeat_timeout_ms=heartbeat_ms)
-        return ray.get(self.actor.address.remote(), timeout=cluster.startup_timeout_seconds)
+        try:
+            return ray.get(self.actor.address.remote(), timeout=cluster.startup_timeout_seconds)
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError) as exc:
+            self.kill()
+            timed_out = isinstance(exc, ray.exceptions.GetTimeoutError)
+            why = (f"did not answer within {cluster.startup_timeout_seconds:g} s "
+                   f"(cluster.startup_timeout_seconds)" if timed_out
+                   else f"failed to start: {str(exc).splitlines()[0]}")
+            raise WorkerGroupFailure(Failure(
+                kind=FailureKind.STARTUP,
+                detail=f"the torchft Lighthouse actor on the head node {why}")) from None
 
     def answers(self) -> bool:
         try:
