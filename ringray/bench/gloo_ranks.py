@@ -28,7 +28,6 @@ import traceback
 from datetime import timedelta
 from typing import Any
 
-
 PRELOADED = ("torch", "torch.distributed", "ringray.train")
 """What the fork server imports once, for every rank it forks (nothing that reads the
 environment at import for later use, nor starts a thread: transformers, Ray, Triton and
