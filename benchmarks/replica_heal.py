@@ -19,19 +19,14 @@ import json
 import multiprocessing as mp
 import os
 import platform
-import socket
 import statistics
 import sys
 import traceback
 from datetime import timedelta
 
+from ringray.bench.gloo_ranks import free_loopback_port
+
 TRANSPORTS = ("http", "process_group")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _options(layers: int):
@@ -54,12 +49,13 @@ def _group(index: int, lighthouse: str, transport: str, layers: int, ready, buil
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     import torch
     import torch.distributed as dist
+    from torch.utils._pytree import tree_leaves
 
     from ringray.train import Trainer
     from ringray.train.replicas import ReplicaMembership, ReplicaSync
 
     torch.set_num_threads(1)
-    port = _free_port()
+    port = free_loopback_port()
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
                                 world_size=1, timeout=timedelta(seconds=600))
@@ -81,7 +77,8 @@ def _group(index: int, lighthouse: str, transport: str, layers: int, ready, buil
                                  "step": stats.step, "committed": stats.committed,
                                  "state_bytes": sum(
                                      t.numel() * t.element_size()
-                                     for t in _tensors(trainer.state_dict()))}))
+                                     for t in tree_leaves(trainer.state_dict())
+                                     if isinstance(t, torch.Tensor))}))
             done.set()
         sync.shutdown()
     except BaseException:  # noqa: BLE001 - report it to the parent
@@ -90,19 +87,6 @@ def _group(index: int, lighthouse: str, transport: str, layers: int, ready, buil
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _tensors(tree):
-    import torch
-
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, dict):
-        for value in tree.values():
-            yield from _tensors(value)
-    elif isinstance(tree, (list, tuple)):
-        for value in tree:
-            yield from _tensors(value)
 
 
 def heal_once(transport: str, layers: int) -> dict:

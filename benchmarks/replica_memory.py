@@ -25,20 +25,15 @@ import json
 import multiprocessing as mp
 import os
 import platform
-import socket
 import sys
 import time
 import traceback
 from dataclasses import replace
 from datetime import timedelta
 
+from ringray.bench.gloo_ranks import free_loopback_port
+
 VARIANTS = {"flat": 2**62, "buckets": None}  # the bucket limit; None: the default
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _options(seq_len: int, layers: int):
@@ -103,7 +98,7 @@ def measure(variant: str, *, seq_len: int, layers: int) -> list[dict]:
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=60_000)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_group, args=(index, _free_port(), lighthouse.address(),
+    procs = [ctx.Process(target=_group, args=(index, free_loopback_port(), lighthouse.address(),
                                               VARIANTS[variant], seq_len, layers, results))
              for index in range(2)]
     for proc in procs:

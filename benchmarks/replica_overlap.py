@@ -27,20 +27,15 @@ import json
 import multiprocessing as mp
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
 import traceback
 from datetime import timedelta
 
+from ringray.bench.gloo_ranks import free_loopback_port
+
 VARIANTS = ("in backward", "after backward")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _options(seq_len: int, layers: int, dim: int, steps: int):
@@ -119,7 +114,7 @@ def measure(variant: str, options) -> list[dict]:
     results = ctx.Queue()
     procs = []
     for index in range(2):
-        port = _free_port()
+        port = free_loopback_port()
         procs += [ctx.Process(target=_rank, args=(index, rank, port, lighthouse.address(),
                                                   variant, options, results))
                   for rank in range(2)]
