@@ -10,6 +10,11 @@ split). The same requests go to:
 - real gloo rings of 3 ranks (zigzag, an odd ring: no request length is a multiple of its
   6), called directly, and of 2 ranks (striped) under lm_eval's own evaluator on two local
   tasks (per-request answers read back from its logged samples): the same as cp=1;
+- the KV cache (``ringray.harness.kv_cache``): at cp=1 and over a gloo ring of 3 ranks, each
+  cached decode step's logits equal a full forward's at that position (rows of different
+  lengths, one layer with a sliding window), and ``generate_until`` gives the same texts
+  with ``kv_cache=false`` (the whole prefix re-run for every token); the tests above run
+  with the cache on (the default);
 - (``slow``) ``python -m ringray.harness --cp 2`` with lm_eval's command line, and a ring
   whose rank 0 fails: the launcher exits with an error instead of waiting. The command line
   indexes every task lm_eval ships before it starts (~15 s on a quiet 2-core machine), which
@@ -326,3 +331,92 @@ def test_launcher_failing_rank_stops_the_ring(checkpoint: str, tmp_path: Path) -
                    "--include_path", str(tmp_path)], timeout=240)
     assert done.returncode != 0
     assert "pretrained:" in done.stderr and "is not a directory" in done.stderr
+
+
+DECODE_LENGTHS = (13, 7, 19)  # rows of different lengths; 19 pads to 20 (cp=1), 24 (cp=3)
+DECODE_STEPS = 6
+DECODE_WINDOW = 5  # layer 0's sliding window: cuts both the prompt and the generated tail
+
+
+def cached_decode(rank: int, world: int, path: str, prompts: torch.Tensor,
+                  lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One rank (or, with ``world`` 1, the only process) of a ring engine that prefills the
+    right-padded ``prompts`` and decodes ``DECODE_STEPS`` greedy tokens from the cache, with
+    a sliding window on layer 0: the prefill's next tokens ``(rows,)`` and each step's
+    logits ``(rows, steps, vocab)``."""
+    from ringray.harness.options import HarnessOptions
+    from ringray.harness.ring import RingEngine
+
+    engine = RingEngine(HarnessOptions(pretrained=path, cp=world, device="cpu"))
+    engine.model.layers[0].attention.window = DECODE_WINDOW
+    first = engine.prefill(prompts, lengths)
+    chosen, steps = first, []
+    for _ in range(DECODE_STEPS):
+        logits = engine.decode_logits(chosen)
+        steps.append(logits)
+        chosen = logits.argmax(dim=-1)
+    return first, torch.stack(steps, dim=1)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_cached_decode_equals_full_forward(checkpoint: str, world: int) -> None:
+    """The KV cache's decode (cp=1, and a gloo ring of 3 ranks whose zigzag layout splits
+    no row's length, one row too short to reach the last rank) gives at every step the
+    float32 logits a full forward of the whole sequence gives at that position, to 1e-5,
+    with a sliding window on one layer. (This tiny model's float32 noise is near that: the
+    padded ring forward itself differs from a plain one by up to 9e-6 on logits up to 7;
+    the cache's largest gap was 5e-6 at cp=1 and 7.5e-6 over 3 ranks.)"""
+    from distributed import run_gloo_ranks
+
+    from ringray.harness.options import HarnessOptions
+    from ringray.harness.ring import load_model
+
+    model = load_model(HarnessOptions(pretrained=checkpoint), torch.device("cpu"))
+    model.layers[0].attention.window = DECODE_WINDOW
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.tensor(DECODE_LENGTHS)
+    prompts = torch.randint(0, model.config.vocab_size, (len(lengths), int(lengths.max())),
+                            generator=generator)
+    prompts[torch.arange(prompts.shape[1]) >= lengths[:, None]] = 0  # right padding
+    if world == 1:
+        first, steps = cached_decode(0, 1, checkpoint, prompts, lengths)
+    else:
+        results = run_gloo_ranks(world, cached_decode, checkpoint, prompts, lengths,
+                                 timeout_seconds=240, collective_timeout_seconds=120)
+        first, steps = results[0]
+        for other in results[1:]:  # every rank has the same tokens and logits
+            assert torch.equal(other[0], first)
+            torch.testing.assert_close(other[1], steps, rtol=0, atol=1e-6)
+    for row, length in enumerate(DECODE_LENGTHS):
+        fed = [int(first[row]), *steps[row, :-1].argmax(dim=-1).tolist()]
+        sequence = torch.cat((prompts[row, :length], torch.tensor(fed)))
+        with torch.no_grad():
+            full = model(sequence[None])[0]
+        assert int(full[length - 1].argmax()) == int(first[row])
+        torch.testing.assert_close(steps[row], full[length:], rtol=0, atol=1e-5)
+
+
+def test_generate_with_and_without_kv_cache(cases: dict, checkpoint: str) -> None:
+    """generate_until gives the same texts decoding from the KV cache (the default) as
+    re-running the whole prefix for every token (``kv_cache=false``), in batches whose rows
+    stop at different steps (EOS, stop strings, max_gen_toks, a total max_length that
+    leaves one row no token at all)."""
+    from lm_eval.utils import simple_parse_args_string
+
+    from ringray.harness.lm import RingLM
+
+    stopping = {"until": ["34"], "max_gen_toks": 30}  # one batch: rows stop at other steps
+    total = {"until": [], "max_gen_toks": 20, "max_length": 12}
+    requests = cases["requests"]["generate"] + [
+        (context, stopping) for context in ("The pass key is 12345. Remember it.", "12 34",
+                                            "The sky", "Here we go again", "abc")] + [
+        ("The grass is green. The sky is blue.", total), ("abc", total)]
+    plain = RingLM(**simple_parse_args_string(f"pretrained={checkpoint},kv_cache=false"),
+                   batch_size=3)
+    assert not plain.options.kv_cache and cases["ring"].options.kv_cache
+    want = plain.generate_until(instances("generate_until", requests), disable_tqdm=True)
+    got = cases["ring"].generate_until(instances("generate_until", requests), disable_tqdm=True)
+    assert got == want
+    batch = sorted(len(text) for text in got[-7:-2])
+    assert batch[0] < 15 and batch[-1] > 20  # rows of one batch stopped at other steps
+    assert got[-2] == "" and got[-1]  # no room left under max_length, and some

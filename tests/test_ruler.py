@@ -18,7 +18,7 @@ every generator fits its prompts at 1024 tokens, the shortest length ``ringray e
   (ruler_vt skipped with a line); and ``ringray eval --cp 2`` (the launcher's ring, rank 0
   building the data) writing the samples a cp=1 run writes.
 
-Generation is capped (``--max-gen-toks``): without a KV cache each token re-runs the prompt.
+Generation is capped (``--max-gen-toks``) to keep the runs short.
 The import of lm_eval's ``prepare_niah`` (its word list of 6 million adjective-noun pairs)
 takes ~15 s of the module's time on 2 cores.
 """

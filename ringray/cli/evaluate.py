@@ -131,9 +131,10 @@ def evaluate(
                                           "that lm_eval makes."),
     max_gen_toks: int | None = typer.Option(
         None, "--max-gen-toks", min=1,
-        help="Cap on the tokens a sample generates (RULER's tasks allow 30-128). Each token "
-             "re-runs the whole prompt (no KV cache), so a cap shortens a CPU run; an answer "
-             "longer than it scores lower (a needle's 7-digit value fits in 10)."),
+        help="Cap on the tokens a sample generates (RULER's tasks allow 30-128). Tokens "
+             "after the prompt's forward are decoded from a KV cache, so a cap shortens a "
+             "run little; an answer longer than it scores lower (a needle's 7-digit value "
+             "fits in 10)."),
     rope_scaling: str | None = typer.Option(
         None, "--rope-scaling",
         help="RoPE scaling for lengths past the model's max_position_embeddings: linear, "

@@ -22,8 +22,9 @@ What it writes under ``out``:
   score;
 - ``lm_eval.log``: what lm_eval and the data generators print.
 
-Progress goes to stderr: a bar over the work (each sample weighs the forwards it may run
-times its length, as generation re-runs the whole prompt for each token), the current cell,
+Progress goes to stderr: a bar over the work (each sample weighs its length times one
+forward and the tokens it may generate, each a small fraction of a forward with the KV
+cache: :func:`~ringray.harness.ruler.weight`), the current cell,
 the time spent and the time left (extrapolated from the requests done so far; the first
 request's time is printed with an estimate for the whole run), and a line per finished cell.
 """
@@ -40,7 +41,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from ringray.harness.ruler import GENERATION_ROOM, RULER_SAMPLES, weight
+from ringray.harness.ruler import (
+    DECODE_STEPS_PER_FORWARD,
+    GENERATION_ROOM,
+    RULER_SAMPLES,
+    weight,
+)
 
 RESULTS = "results.json"
 SAMPLES = "samples.jsonl"
@@ -231,7 +237,8 @@ class Reporter:
             estimate = self.first * total / self._weight(task, length)
             self._print(
                 f"first request ({task} @ {length}): {self.first:.1f} s; estimated time for "
-                f"every request: {_duration(estimate)} (time ~ forwards x length; building "
+                f"every request: {_duration(estimate)} (time ~ length x (1 + tokens / "
+                f"{DECODE_STEPS_PER_FORWARD}); building "
                 f"each cell's data comes on top)")
 
     def skip(self, task: str, length: int, line: str) -> None:

@@ -21,11 +21,20 @@ What is exact and what is simplified:
   Inputs are sorted longest first and run ``batch_size`` at a time, right-padded.
 - **loglikelihood_rolling**: exact; each window is a loglikelihood request.
 - **generate_until**: greedy decoding only (``do_sample`` true or a temperature above 0 is
-  refused). Simple and exact, not fast: each new token re-runs the whole prefix over the
-  ring (no KV cache), for up to ``batch_size`` requests at a time. It stops, as hf's
-  ``generate`` does, at the checkpoint's EOS ids (generation_config.json, else
-  config.json), when a stop string appears in the decoded last tokens (lm_eval's own
-  stopping criteria), or after ``max_gen_toks``; the text is cut at the first stop string.
+  refused), for up to ``batch_size`` requests at a time. With ``kv_cache`` (the default)
+  the prompts run over the ring once, each rank keeping its share of every layer's K/V
+  (:mod:`ringray.harness.kv_cache`), and each new token runs alone: its attention reads
+  every rank's cached share and merges the partial results over the ring by their
+  log-sum-exp. That is exact attention, as the full forward is, but not the same float32
+  arithmetic (another summation order, like hf's own cached ``generate``): logits agree to
+  ~1e-6 relative, as the padded ring forward and a plain forward do, so the greedy text is
+  the same unless two tokens tie to that precision. Finished rows stay in the batch until
+  all are done (their extra tokens are dropped). With ``kv_cache=false`` each new token
+  re-runs the whole prefix over the ring instead: simple, the reference, and far slower on
+  long contexts. Either way it stops, as hf's ``generate`` does, at the checkpoint's EOS
+  ids (generation_config.json, else config.json), when a stop string appears in the
+  decoded last tokens (lm_eval's own stopping criteria), or after ``max_gen_toks``; the
+  text is cut at the first stop string.
 - Not supported: data parallelism inside lm_eval (``world_size`` is 1: the ranks of the
   ring hold one model), sampling, ``think_end_token``, multimodal requests.
 
@@ -316,32 +325,55 @@ class RingLM(TemplateLM):
 
     def _generate(self, contexts: list[list[int]], *, until: list[str], max_gen_toks: int,
                   total_length: int | None) -> list[str]:
-        """Greedy decoding of a batch of contexts, in lockstep: each step runs every
-        unfinished sequence's whole prefix over the ring and appends its argmax."""
+        """Greedy decoding of a batch of contexts, in lockstep: each step appends every
+        unfinished sequence's argmax, from the KV cache (one prefill, then one token a step)
+        or, without ``kv_cache``, by running its whole prefix over the ring again."""
         sequences = [list(ids) for ids in contexts]
         limits = [(total_length - len(ids)) if total_length is not None else max_gen_toks
                   for ids in contexts]
         stops = [[MultiTokenEOSCriteria(text, self.tokenizer, len(ids), 1) for text in until]
                  for ids in contexts]
         active = [i for i, limit in enumerate(limits) if limit > 0]
-        while active:
-            width = max(len(sequences[i]) for i in active)
-            tokens = torch.zeros(len(active), width, dtype=torch.long)
-            for row, i in enumerate(active):
-                tokens[row, :len(sequences[i])] = torch.tensor(sequences[i])
-            last = torch.tensor([len(sequences[i]) - 1 for i in active])
-            chosen = self.ring.argmax(tokens, last).tolist()
-            still = []
-            for i, token in zip(active, chosen, strict=True):
-                sequences[i].append(token)
-                ids = torch.tensor([sequences[i]])
-                stopped = any(stop(ids, None) for stop in stops[i])
-                generated = len(sequences[i]) - len(contexts[i])
-                if token not in self.eos_ids and not stopped and generated < limits[i]:
-                    still.append(i)
-            active = still
+        if active and self.options.kv_cache:
+            rows = active  # every row stays in the cache until the last one is done
+            tokens, lengths = self._batch([sequences[i] for i in rows])
+            chosen = self.ring.prefill(tokens, lengths).tolist()
+            active = self._extend(active, rows, chosen, sequences, contexts, stops, limits)
+            while active:
+                chosen = self.ring.decode(torch.tensor(chosen)).tolist()
+                active = self._extend(active, rows, chosen, sequences, contexts, stops, limits)
+        while active:  # without the cache
+            tokens, lengths = self._batch([sequences[i] for i in active])
+            chosen = self.ring.argmax(tokens, lengths - 1).tolist()
+            active = self._extend(active, active, chosen, sequences, contexts, stops, limits)
         texts = []
         for ids, sequence in zip(contexts, sequences, strict=True):
             text = self.tok_decode(sequence[len(ids):])
             texts.append(postprocess_generated_text(text, until, None))
         return texts
+
+    @staticmethod
+    def _batch(sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sequences right-padded into one ``(rows, longest)`` tensor, and their lengths."""
+        lengths = torch.tensor([len(ids) for ids in sequences])
+        tokens = torch.zeros(len(sequences), int(lengths.max()), dtype=torch.long)
+        for row, ids in enumerate(sequences):
+            tokens[row, :len(ids)] = torch.tensor(ids)
+        return tokens, lengths
+
+    def _extend(self, active: list[int], rows: list[int], chosen: list[int],
+                sequences: list[list[int]], contexts: list[list[int]],
+                stops: list[list[MultiTokenEOSCriteria]], limits: list[int]) -> list[int]:
+        """Append each active sequence's chosen token (``chosen[k]`` is row ``rows[k]``'s);
+        the active ones that go on: no EOS id, no stop string, under their limit."""
+        still = []
+        for i, token in zip(rows, chosen, strict=True):
+            if i not in active:
+                continue
+            sequences[i].append(token)
+            ids = torch.tensor([sequences[i]])
+            stopped = any(stop(ids, None) for stop in stops[i])
+            generated = len(sequences[i]) - len(contexts[i])
+            if token not in self.eos_ids and not stopped and generated < limits[i]:
+                still.append(i)
+        return still

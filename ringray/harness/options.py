@@ -11,7 +11,9 @@ checkpoint is ``pretrained``, lm_eval's name for it rather than the job file's
 ``model.from_pretrained``: lm_eval hands ``--model_args`` to tasks as metadata, and tasks that
 build their data with the model's tokenizer (RULER) look for it under ``pretrained``.
 ``max_length``, ``add_bos_token``, ``prefix_token_id``, ``batch_size`` and ``device`` mean
-what they mean for lm_eval's ``hf`` model.
+what they mean for lm_eval's ``hf`` model. ``kv_cache`` (default true) decodes
+``generate_until`` requests from a KV cache kept over the ring; ``kv_cache=false`` re-runs
+the whole prefix for every new token (the simple reference).
 
 Pure data: no lm_eval, no transformers, so every rank of a ring can parse the same options.
 """
@@ -118,6 +120,11 @@ class HarnessOptions:
     batch_size: int = 1
     """Requests per forward pass. lm_eval passes its own ``--batch_size`` (so it cannot also
     be in ``--model_args``); 'auto' means 1 here."""
+    kv_cache: bool = True
+    """generate_until decodes from a KV cache: the prompt runs over the ring once, each rank
+    keeps its share of every layer's K/V, and each new token runs alone
+    (:mod:`ringray.harness.kv_cache`). False: every new token re-runs the whole prefix over
+    the ring (the simple reference; the same texts, far slower on long contexts)."""
     device: str | None = None
     """cpu, or cuda[:N]: each rank's own GPU in a ring of several (rank modulo the GPUs
     visible), the CPU where CUDA is not available (as hf falls back). Default: cuda."""
@@ -169,7 +176,7 @@ class HarnessOptions:
             elif name == "batch_size":
                 text = str(value)
                 parsed[name] = 1 if text.startswith("auto") else _int(name, value, minimum=1)
-            elif name == "add_bos_token":
+            elif name in ("add_bos_token", "kv_cache"):
                 parsed[name] = _flag(name, value)
             else:
                 parsed[name] = str(value)

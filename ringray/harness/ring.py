@@ -3,6 +3,8 @@
     engine = RingEngine(options)                          # cp = 1: one process, no group
     sums = engine.score(tokens, rows, targets)            # (requests, 2): log p, greedy misses
     next_ids = engine.argmax(tokens, positions)           # (rows,): greedy next token
+    next_ids = engine.prefill(tokens, lengths)            # the same at lengths - 1, cached
+    next_ids = engine.decode(next_ids)                    # one token a row, from the cache
 
 Every rank of a ring of ``cp`` ranks holds the same model and is given the same global token
 batch; each keeps its layout share (``layout.shard``), runs the decoder with ring attention,
@@ -16,6 +18,12 @@ The decoder's output projection runs only on the positions asked about, not on t
 shard, so a long context with a short continuation never holds ``seq × vocab`` logits: the
 engine keeps the checkpoint's output layer aside and runs the decoder with an identity in
 its place (``Transformer.forward`` ends with ``self.output(hidden)``).
+
+Greedy generation can keep a KV cache (:mod:`ringray.harness.kv_cache`): ``prefill`` runs
+the prompts' forward once and keeps each rank's share of every layer's K/V; each ``decode``
+then runs the new tokens alone, attending to every rank's cached share and merging the
+partial results over the ring. The engine holds one cache, that of the last ``prefill``;
+any other forward (``score``, ``argmax``, a new ``prefill``) frees it first.
 
 Rank 0 runs lm_eval; the other ranks run :func:`serve`. Each call rank 0 makes through
 :class:`Lockstep` is broadcast first (its name and arguments, pickled, over the control
@@ -43,6 +51,7 @@ from torch import nn
 
 from ringray.attention import RingAgreement, make_layout
 from ringray.attention.layouts import Layout, seq_len_divisor
+from ringray.harness import kv_cache
 from ringray.harness.options import HarnessOptions
 from ringray.model import ModelOptions, RingContext, Transformer, load_hf_weights
 from ringray.train.trainer import compute_dtype
@@ -159,6 +168,7 @@ class RingEngine:
         self.layout_kind = options.layout_kind
         self.divisor = seq_len_divisor(self.layout_kind, self.cp)
         self._rings: OrderedDict[int, RingContext] = OrderedDict()
+        self._cache: kv_cache.KVCache | None = None
 
     # ------------------------------------------------------------------ helpers
     def padded_length(self, length: int) -> int:
@@ -184,13 +194,19 @@ class RingEngine:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def _hidden(self, tokens: torch.Tensor) -> tuple[torch.Tensor, Layout]:
-        """The final norm's output for this rank's share of ``tokens`` (padded on the right
-        to the layout's length), and the layout."""
+    def _local(self, tokens: torch.Tensor) -> tuple[torch.Tensor, RingContext]:
+        """This rank's share of ``tokens`` (padded on the right to the layout's length), on
+        its device, and the ring. Frees the KV cache: a new forward starts."""
+        self._cache = None
         seq_len = self.padded_length(tokens.shape[1])
         padded = F.pad(tokens, (0, seq_len - tokens.shape[1]), value=0)
         ring = self._ring(seq_len)
-        local = ring.layout.shard(padded, self.rank).to(self.device)
+        return ring.layout.shard(padded, self.rank).to(self.device), ring
+
+    def _hidden(self, tokens: torch.Tensor) -> tuple[torch.Tensor, Layout]:
+        """The final norm's output for this rank's share of ``tokens`` (padded on the right
+        to the layout's length), and the layout."""
+        local, ring = self._local(tokens)
         with self._autocast():
             hidden = self.model(local, ring)
         return hidden, ring.layout
@@ -240,11 +256,16 @@ class RingEngine:
         """The argmax of the float32 logits at ``positions[b]`` of each row ``b`` of
         ``tokens`` ``(B, L)`` (greedy decoding's next token), ``(B,)`` long on the CPU."""
         hidden, layout = self._hidden(tokens)
+        return self._argmax_at(hidden, layout, positions)
+
+    def _argmax_at(self, hidden: torch.Tensor, layout: Layout,
+                   positions: torch.Tensor) -> torch.Tensor:
+        """:meth:`argmax` from this rank's final hidden states."""
         local_index = torch.full((layout.seq_len,), -1, dtype=torch.long)
         held = layout.positions(self.rank)
         local_index[held] = torch.arange(held.numel())
         where = local_index[positions]
-        out = torch.full((tokens.shape[0],), -1, dtype=torch.long, device=self.device)
+        out = torch.full((hidden.shape[0],), -1, dtype=torch.long, device=self.device)
         mine = (where >= 0).nonzero(as_tuple=True)[0]
         if mine.numel():
             index = mine.to(self.device)
@@ -252,11 +273,47 @@ class RingEngine:
             out[index] = logits.argmax(dim=-1)
         return self._all_reduce(out, dist.ReduceOp.MAX).cpu()
 
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """:meth:`argmax` at ``lengths - 1`` of the prompts ``tokens`` ``(B, L)`` (row ``b``'s
+        first ``lengths[b]`` tokens, right-padded), keeping this rank's share of their K/V
+        for :meth:`decode` (in place of any cache before)."""
+        local, ring = self._local(tokens)
+        with self._autocast():
+            hidden, cache = kv_cache.prefill(self.model, local, ring, lengths)
+        self._cache = cache
+        return self._argmax_at(hidden, ring.layout, lengths - 1)
+
+    @torch.no_grad()
+    def decode_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The float32 logits ``(B, vocab)`` on the CPU after appending ``tokens`` ``(B,)``,
+        one to each cached row (at position ``length + tokens decoded before``), on every
+        rank."""
+        return self._next_logits(tokens).cpu()
+
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Greedy decoding's next token ``(B,)`` long on the CPU after appending ``tokens``
+        (see :meth:`decode_logits`), agreed by every rank."""
+        out = self._next_logits(tokens).argmax(dim=-1)
+        return self._all_reduce(out, dist.ReduceOp.MAX).cpu()
+
+    def _next_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self._cache is None:
+            raise RuntimeError("decode: no KV cache; call prefill first (any other forward "
+                               "frees the cache)")
+        if tokens.shape != (self._cache.rows,):
+            raise ValueError(f"decode: {self._cache.rows} rows are cached, got tokens of "
+                             f"shape {tuple(tokens.shape)}")
+        with self._autocast():
+            hidden = kv_cache.decode(self.model, self._cache, tokens)
+        return self._logits(hidden)
+
 
 # ---------------------------------------------------------------------- lockstep
 
 _INIT, _STOP = "init", "stop"
-_CALLS = ("score", "argmax")
+_CALLS = ("score", "argmax", "prefill", "decode")
 
 
 class _RingState:
@@ -345,6 +402,14 @@ class Lockstep:
     def argmax(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """:meth:`RingEngine.argmax` on every rank."""
         return self._call("argmax", tokens, positions)
+
+    def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """:meth:`RingEngine.prefill` on every rank."""
+        return self._call("prefill", tokens, lengths)
+
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        """:meth:`RingEngine.decode` on every rank."""
+        return self._call("decode", tokens)
 
     def padded_length(self, length: int) -> int:
         return self.engine.padded_length(length)

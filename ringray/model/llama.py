@@ -310,11 +310,7 @@ class Transformer(nn.Module):
                 f"tokens: this rank holds {ring.layout.local_len} tokens per sequence under "
                 f"{ring.layout!r}, got a tensor of shape {tuple(tokens.shape)}"
             )
-        cfg = self.config
-        cos, sin = rotary_tables(
-            ring.positions(tokens.device), cfg.head_dim, cfg.rope_theta,
-            compute_dtype(self.tok_embeddings.weight.dtype), scaling=cfg.rope_scaling,
-        )
+        cos, sin = self.rotary(ring.positions(tokens.device))
         x = self.tok_embeddings(tokens)
         for block in self.layers:
             if self.activation_checkpointing == "full" and torch.is_grad_enabled():
@@ -327,6 +323,15 @@ class Transformer(nn.Module):
         return chunked_cross_entropy_sum(hidden, self.output.weight, labels,
                                          chunk_tokens=self.loss_chunk_tokens,
                                          ignore_index=ignore_index)
+
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary tables (cos, sin) ``(seq, head_dim)`` of these global positions, as
+        every forward makes them (the config's theta and scaling, in the embedding's
+        compute dtype)."""
+        cfg = self.config
+        return rotary_tables(positions, cfg.head_dim, cfg.rope_theta,
+                             compute_dtype(self.tok_embeddings.weight.dtype),
+                             scaling=cfg.rope_scaling)
 
     @staticmethod
     def _single_process_ring(tokens: torch.Tensor) -> RingContext:
