@@ -148,13 +148,18 @@ def wait_until(
     controller, condition: Callable[[JobStatus], bool], *, timeout: float, what: str
 ) -> JobStatus:
     """Poll the job's status until ``condition`` holds; fail (showing the status) if the job
-    ends first or the time runs out."""
-    deadline = time.monotonic() + timeout
+    ends first, or after ``timeout`` seconds (stretched by the load, ``prompt``) in which it
+    made no progress: no new step and no new event. A loaded machine makes every step slower;
+    a job that keeps moving is waited for."""
+    seen, since = None, time.monotonic()
     while True:
         status = status_of(controller)
         if condition(status):
             return status
-        if status.done or time.monotonic() > deadline:
+        progress = (status.step, len(status.events))
+        if progress != seen:
+            seen, since = progress, time.monotonic()
+        if status.done or time.monotonic() - since > prompt(timeout):
             events = "\n".join(f"  [{e.state}] {e.message}" for e in status.events)
             raise AssertionError(
                 f"waiting for {what}: job {status.state} at step {status.step} "
