@@ -13,11 +13,11 @@ loglikelihood task: the key given the prompt) and every RULER sample's expected 
 cell's data with :func:`ringray.harness.ruler.build_task` in their own process (rank 0 of the
 ring; this process for hf), so equal prompt hashes also show the data is deterministic.
 
-Cost: without a KV cache ringray re-runs the whole prompt for every generated token, so a
-sample costs up to ``--max-gen-toks`` forwards over the ring (hf: one prefill and cheap
-decoding steps). A 2048-token forward of SmolLM2 over a ring of 2 took 20 to 30 s per rank on
-2 cores loaded 5 to 15 (the defaults: 37 minutes there); time ``--limit 1`` first and size
-``--limit`` from it.
+Cost: a sample is one forward of its prompt over the ring, then one decoding step a token
+from the KV cache (``ringray.harness.kv_cache``); hf does the same in one process. Before the
+cache each generated token re-ran the whole prompt: a 2048-token forward of SmolLM2 over a
+ring of 2 took 20 to 30 s per rank on 2 cores loaded 5 to 15. Time ``--limit 1`` first and
+size ``--limit`` from it.
 """
 
 from __future__ import annotations
