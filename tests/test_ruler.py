@@ -312,9 +312,10 @@ def test_eval_on_a_checkpoint_writes_json_and_table(built: dict, checkpoint: str
         [ll for ll, _ in one["loglikelihood"]], abs=1e-4)
 
 
-def _run_dir(tmp_path: Path) -> Path:
+def _run_dir(tmp_path: Path, *overrides: str) -> Path:
     """A run directory of the quickstart job (debug preset, byte tokenizer, trained at 2048
-    tokens) holding a checkpoint of random weights at step 2."""
+    tokens; ``overrides``: more job-file fields) holding a checkpoint of random weights at
+    step 2."""
     from ringray.model import Transformer
     from ringray.spec import load_job_spec
     from ringray.spec.run_spec import write_run_spec
@@ -322,7 +323,8 @@ def _run_dir(tmp_path: Path) -> Path:
 
     run_dir = tmp_path / "run"
     spec = load_job_spec(ROOT / "jobs/quickstart.yaml",
-                         [f"run_dir={run_dir}", "train.seq_len=2048"], check_paths=False)
+                         [f"run_dir={run_dir}", "train.seq_len=2048", *overrides],
+                         check_paths=False)
     options = spec.train_options()
     torch.manual_seed(0)
     weights = {k: v.detach() for k, v in Transformer(options.model).named_parameters()}
@@ -419,6 +421,37 @@ def test_bad_input_is_one_line(checkpoint: str, tmp_path: Path, monkeypatch) -> 
     assert _one_line(result.output) == (
         "error: lm_eval not installed: ringray eval runs RULER with lm_eval; pip install "
         "'ringray[eval]'")
+
+
+def test_a_model_extended_by_its_own_rope_scaling_is_judged_by_it(
+        checkpoint: str, tmp_path: Path, monkeypatch) -> None:
+    """A checkpoint whose config.json has YaRN x2 over its 2048 positions (as an export of an
+    extension run keeps them: the pretrained max_position_embeddings beside the scaling), and
+    a run trained with ``model.rope`` YaRN x2: both may be evaluated at 4096 without
+    ``--rope-scaling``, and 8192 is refused naming the model's own factor. They were refused
+    at 4096 as if unscaled. (An unreachable ``--address``, checked after the lengths, ends
+    each accepted command before anything runs.)"""
+    import shutil
+
+    extended = tmp_path / "extended"
+    shutil.copytree(checkpoint, extended)
+    config = json.loads((extended / "config.json").read_text())
+    yarn = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": POSITIONS}
+    config["rope_scaling"] = yarn  # transformers 4's name, and 5's (below): both, as exported
+    config["rope_parameters"] = {**config.get("rope_parameters", {}), **yarn}
+    (extended / "config.json").write_text(json.dumps(config))
+    monkeypatch.chdir(ROOT)
+    run_dir = _run_dir(tmp_path, "model.rope.scaling=yarn", "model.rope.factor=2",
+                       f"model.rope.original_max_position_embeddings={POSITIONS}")
+    for target in (str(extended), str(run_dir)):
+        accepted = _eval(target, "--lengths", "4096", "--address",
+                         f"127.0.0.1:{_free_port()}", "--out", str(tmp_path / "out"))
+        assert _one_line(accepted.output).startswith("error: --address 127.0.0.1:"), target
+        refused = _eval(target, "--lengths", "8192", "--out", str(tmp_path / "out"))
+        assert refused.exit_code == 2
+        assert _one_line(refused.output).startswith(
+            f"error: --lengths: 8192 is past 4096 ({POSITIONS} x the model's yarn rope "
+            f"factor 2)"), target
 
 
 @pytest.mark.slow
@@ -610,3 +643,22 @@ def test_eval_on_ray_workers_equals_one_process(checkpoint: str, tmp_path: Path,
         time.sleep(0.2)
         left = leftovers()
     assert left == {"actors": [], "placement_groups": []}
+
+
+def test_the_time_estimate_weighs_attention_by_the_models_shape(tmp_path: Path) -> None:
+    """The progress bar's weights: a forward's time grows with the square of the length past
+    the length where attention costs what the rest of a layer does. SmolLM2-135M's shape
+    (576 wide, 9 heads of 64, 3 KV heads, 1536 MLP): 6144 tokens; a sample there weighs twice
+    its linear share; without the fields the weights stay linear."""
+    from ringray.harness.ruler import attention_even_length, weight
+
+    config = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
+              "num_key_value_heads": 3}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    even = attention_even_length(str(tmp_path))
+    assert even == 6144
+    assert weight("ringray_passkey", even, even=even) == 2 * weight("ringray_passkey", even)
+    assert weight("ringray_passkey", 4096) == 4096  # a loglikelihood task: one forward
+    del config["intermediate_size"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert attention_even_length(str(tmp_path)) is None

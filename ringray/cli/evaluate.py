@@ -53,8 +53,10 @@ def _rope_args(pretrained: str, positions: int, scaling: str | None,
     from ringray.model import ModelOptions, RopeOptions
 
     where = f"the model's max_position_embeddings ({positions})"
-    if scaling is None and factor is None:
-        return {}, positions, where
+    if scaling is None and factor is None:  # the checkpoint's own scaling, if it has one
+        own = _own_limit(ModelOptions(from_pretrained=pretrained).build().rope_scaling,
+                         positions)
+        return ({}, positions, where) if own is None else ({}, *own)
     if scaling is None:
         fail("--rope-factor: needs --rope-scaling (linear, llama3 or yarn)")
     if scaling not in _SCALINGS:
@@ -80,13 +82,25 @@ def _rope_args(pretrained: str, positions: int, scaling: str | None,
     return args, limit, f"{original} x --rope-factor {factor:g}"
 
 
+def _own_limit(scaling, positions: int) -> tuple[int, str] | None:
+    """``(the longest length, how it is made)`` that a model's own RoPE scaling (its
+    config.json's ``rope_scaling``, or a run's ``model.rope``) allows; None without one. An
+    exported extension keeps its pretrained ``max_position_embeddings`` beside the scaling,
+    so that alone would refuse the lengths it was extended to."""
+    if scaling.kind == "none" or scaling.factor <= 1:
+        return None
+    original = scaling.original_max_position_embeddings or positions
+    limit = max(int(original * scaling.factor), positions)
+    return limit, f"{original} x the model's {scaling.kind} rope factor {scaling.factor:g}"
+
+
 def _check_lengths(lengths: list[int], limit: int, where: str, scaled: bool,
                    positions: int, config: str) -> None:
     past = [n for n in lengths if n > limit]
     if not past:
         return
     longest = max(past)
-    if not scaled:
+    if not scaled and limit <= positions:
         fail(f"--lengths: {longest} is past {where}, read from {config}, and no RoPE "
              f"scaling is set; pass --rope-scaling yarn --rope-factor "
              f"{max(2, math.ceil(longest / positions))} (or a length up to {positions})")
@@ -221,8 +235,9 @@ def evaluate(
         rope, limit_length, where = _rope_args(str(path), positions, rope_scaling, rope_factor)
         _check_lengths(wanted, limit_length, where, bool(rope), positions, config)
     elif rope_scaling is None and rope_factor is None:  # checked before the export
-        _check_lengths(wanted, positions, f"the run's position limit ({positions})", False,
-                       positions, config)
+        own = _own_limit(run_options.model.rope_scaling, positions)
+        limit_length, where = own or (positions, f"the run's position limit ({positions})")
+        _check_lengths(wanted, limit_length, where, own is not None, positions, config)
     out_dir = Path(out) if out is not None else default_out
     try:
         check_output_dir("--out", str(out_dir))

@@ -24,7 +24,8 @@ What it writes under ``out``:
 
 Progress goes to stderr: a bar over the work (each sample weighs its length times one
 forward and the tokens it may generate, each a small fraction of a forward with the KV
-cache: :func:`~ringray.harness.ruler.weight`), the current cell,
+cache, and attention's growing share of a forward at long lengths:
+:func:`~ringray.harness.ruler.weight`), the current cell,
 the time spent and the time left (extrapolated from the requests done so far; the first
 request's time is printed with an estimate for the whole run), and a line per finished cell.
 """
@@ -45,6 +46,7 @@ from ringray.harness.ruler import (
     DECODE_STEPS_PER_FORWARD,
     GENERATION_ROOM,
     RULER_SAMPLES,
+    attention_even_length,
     weight,
 )
 
@@ -170,13 +172,15 @@ class Reporter:
     worker answering its driver, which draws the bar where the user is)."""
 
     def __init__(self, cells: list[tuple[str, int]], samples: int, *,
-                 max_gen_toks: int | None = None, file: TextIO | None = None) -> None:
+                 max_gen_toks: int | None = None, attention_even: int | None = None,
+                 file: TextIO | None = None) -> None:
         from rich.console import Console
 
         self.console = Console(file=file or sys.stderr, markup=False, emoji=False,
                                highlight=False)
         self.counts = {cell: samples for cell in cells}
         self.max_gen_toks = max_gen_toks
+        self.attention_even = attention_even  # ruler.attention_even_length
         self.progress = progress_bar(self.console)
         self.bar = self.progress.add_task("starting", total=self._work(), done=0,
                                           samples=sum(self.counts.values()))
@@ -200,7 +204,7 @@ class Reporter:
         return sum(count * self._weight(*cell) for cell, count in self.counts.items())
 
     def _weight(self, task: str, length: int) -> int:
-        return weight(task, length, self.max_gen_toks)
+        return weight(task, length, self.max_gen_toks, even=self.attention_even)
 
     def __enter__(self) -> Reporter:
         global _active
@@ -237,9 +241,13 @@ class Reporter:
             estimate = self.first * total / self._weight(task, length)
             self._print(
                 f"first request ({task} @ {length}): {self.first:.1f} s; estimated time for "
-                f"every request: {_duration(estimate)} (time ~ length x (1 + tokens / "
-                f"{DECODE_STEPS_PER_FORWARD}); building "
-                f"each cell's data comes on top)")
+                f"every request: {_duration(estimate)} (time ~ length x {self._grows()}"
+                f"(1 + tokens / {DECODE_STEPS_PER_FORWARD}); building each cell's data "
+                f"comes on top)")
+
+    def _grows(self) -> str:
+        even = self.attention_even
+        return f"(1 + length / {even}) x " if even else ""
 
     def skip(self, task: str, length: int, line: str) -> None:
         """The current cell will not run."""
@@ -411,7 +419,8 @@ def evaluate_plan(plan: EvalPlan, *, lm: Any = None, progress_file: TextIO | Non
     with open(out / LOG, "w", encoding="utf-8") as log, \
             open(out / SAMPLES, "w", encoding="utf-8") as sample_file, \
             Reporter(cells, samples, file=progress_file,
-                     max_gen_toks=(plan.gen_kwargs or {}).get("max_gen_toks")) as reporter:
+                     max_gen_toks=(plan.gen_kwargs or {}).get("max_gen_toks"),
+                     attention_even=attention_even_length(plan.pretrained)) as reporter:
         for line in skipped:
             reporter._print(line)
         for task, length in cells:

@@ -421,11 +421,36 @@ SmolLM2-135M at 4096 tokens over a ring of 2 CPU ranks, 18 s a prefill, 0.13 to 
 step)."""
 
 
-def weight(name: str, length: int, max_gen_toks: int | None = None) -> int:
+def attention_even_length(pretrained: str) -> int | None:
+    """The context length at which a token's causal attention (scores and weighted values
+    over half the context, on average) costs as many FLOPs as the rest of its layer (the
+    q/k/v/o projections and the MLP), from the checkpoint's config.json; None if it lacks a
+    field. Past it a forward's time grows with the square of the length: 6144 tokens for
+    SmolLM2-135M, ~50k for an 8B Llama."""
+    import json
+
+    try:
+        with open(os.path.join(pretrained, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+        dim, ffn = int(config["hidden_size"]), int(config["intermediate_size"])
+        heads = int(config["num_attention_heads"])
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        head_dim = int(config.get("head_dim") or dim // heads)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    rest = 2 * dim * (2 * heads + 2 * kv_heads) * head_dim + 6 * dim * ffn
+    return max(1, round(rest / (2 * heads * head_dim)))
+
+
+def weight(name: str, length: int, max_gen_toks: int | None = None, *,
+           even: int | None = None) -> int:
     """A sample's share of the work, for the time estimate: the prompt's forward and the
     tokens it may generate after it (at most ``max_gen_toks``; none for a loglikelihood
-    task), each a :data:`DECODE_STEPS_PER_FORWARD`-th of a forward, times its length."""
+    task), each a :data:`DECODE_STEPS_PER_FORWARD`-th of a forward, times its length, and
+    times ``1 + length / even`` where attention's share grows with the length (``even``:
+    :func:`attention_even_length`; None: linear in the length)."""
     generates = OFFLINE_TASKS[name].generates
     if max_gen_toks is not None and generates > 1:
         generates = min(generates, max_gen_toks)
-    return round(length * (1 + (generates - 1) / DECODE_STEPS_PER_FORWARD))
+    quadratic = 1 + length / even if even else 1
+    return round(length * quadratic * (1 + (generates - 1) / DECODE_STEPS_PER_FORWARD))
