@@ -67,8 +67,8 @@ prometheus:
 	fi
 
 ## CI's command: everything but the `slow`-marked end-to-end runs, on two pytest workers,
-## each test file on one worker (its module's Ray cluster started once): 23 min 48 s on 2 cores
-## on 2026-11-29, 43 min serially (see README.md).
+## each test file on one worker (its module's Ray cluster started once): 9 min 46 s on 2 cores
+## on 2026-11-29, 23 min 48 s that morning when the machine was slower (see README.md).
 test: lint prometheus
 	$(PY) -m pytest -q -m "not slow" -n 2 --dist loadfile
 
