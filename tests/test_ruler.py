@@ -652,8 +652,10 @@ def test_the_time_estimate_weighs_attention_by_the_models_shape(tmp_path: Path) 
     its linear share; without the fields the weights stay linear."""
     from ringray.harness.ruler import attention_even_length, weight
 
-    config = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
-              "num_key_value_heads": 3}
+    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 576,
+              "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3,
+              "num_hidden_layers": 30, "vocab_size": 49152, "max_position_embeddings": 8192,
+              "rope_theta": 100000.0, "tie_word_embeddings": True}
     (tmp_path / "config.json").write_text(json.dumps(config))
     even = attention_even_length(str(tmp_path))
     assert even == 6144

@@ -280,7 +280,7 @@ class RayLighthouse:
             min_replicas=1, join_timeout_ms=heartbeat_ms, heartbeat_timeout_ms=heartbeat_ms)
         try:
             return ray.get(self.actor.address.remote(), timeout=cluster.startup_timeout_seconds)
-        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError) as exc:
+        except ray.exceptions.RayError as exc:  # GetTimeoutError is one
             self.kill()
             timed_out = isinstance(exc, ray.exceptions.GetTimeoutError)
             why = (f"did not answer within {cluster.startup_timeout_seconds:g} s "

@@ -424,21 +424,17 @@ step)."""
 def attention_even_length(pretrained: str) -> int | None:
     """The context length at which a token's causal attention (scores and weighted values
     over half the context, on average) costs as many FLOPs as the rest of its layer (the
-    q/k/v/o projections and the MLP), from the checkpoint's config.json; None if it lacks a
-    field. Past it a forward's time grows with the square of the length: 6144 tokens for
-    SmolLM2-135M, ~50k for an 8B Llama."""
-    import json
+    q/k/v/o projections and the MLP), from the checkpoint's config.json; None where ringray
+    cannot read it. Past it a forward's time grows with the square of the length: 6144
+    tokens for SmolLM2-135M, ~50k for an 8B Llama."""
+    from ringray.model.hf import read_model_config
 
     try:
-        with open(os.path.join(pretrained, "config.json"), encoding="utf-8") as f:
-            config = json.load(f)
-        dim, ffn = int(config["hidden_size"]), int(config["intermediate_size"])
-        heads = int(config["num_attention_heads"])
-        kv_heads = int(config.get("num_key_value_heads") or heads)
-        head_dim = int(config.get("head_dim") or dim // heads)
-    except (OSError, ValueError, KeyError, TypeError):
+        config = read_model_config(pretrained)
+    except (OSError, ValueError):
         return None
-    rest = 2 * dim * (2 * heads + 2 * kv_heads) * head_dim + 6 * dim * ffn
+    dim, heads, head_dim = config.dim, config.n_heads, config.head_dim
+    rest = 2 * dim * (2 * heads + 2 * config.n_kv_heads) * head_dim + 6 * dim * config.ffn_hidden
     return max(1, round(rest / (2 * heads * head_dim)))
 
 
