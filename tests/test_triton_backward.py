@@ -5,10 +5,11 @@ The kernels get what a ring gives them: the *final* LSE and ``delta = rowsum(dO 
 the query rows (here from the float64 reference), and float32 accumulators to add into.
 Covered: position patterns of every layout (zigzag halves both ways, striped's shifted
 diagonal, contiguous diagonal and below-diagonal blocks, a random permutation), causal and
-full, MHA/GQA/MQA (the dK/dV reduction over each kv head's query heads), float32 and
-bfloat16, head_dim 64 and 80, 40-token blocks against 32-token tiles, rows that see no key,
-accumulation over two blocks (dQ arrives by atomic adds from every key tile), and the tile
-skipping (visited tile pairs are counted, full and straddling apart).
+full, MHA/GQA/MQA (each kv head's dK/dV added atomically by its query heads' programs; one
+program stores them under MHA), float32 and bfloat16, head_dim 64 and 80, 40-token blocks
+against 32-token tiles, rows that see no key, accumulation over two blocks (dQ arrives by
+atomic adds from every key tile), the tile skipping (visited tile pairs are counted, full
+and straddling apart), and ``delta``'s own kernel against ``softmax_delta``.
 
 Tolerances: float32 2e-5 absolute and relative. bfloat16: the kernels round P and dS to
 bf16 before their products (as flash-attention kernels do), a relative 2^-9 each, summed
@@ -195,3 +196,19 @@ def test_scores_far_below_zero_give_finite_gradients() -> None:
                                          softmax_delta(dout, out).float(), pos, pos,
                                          causal=False, scale=0.125)
     _assert_grads_close(got, want, None, share_of_largest=1e-3)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_delta_kernel_matches_softmax_delta(out_dtype) -> None:
+    """``softmax_delta_triton`` reads the ring's transposed ``(batch, seq, heads, d)`` views
+    of dO (bfloat16) and O (bfloat16, or the float32 accumulator) as they are and gives
+    ``softmax_delta``'s float32 rowsums: both multiply exact float32 products, so only the
+    summation order differs (1e-6 of the largest row). Head dim 80 (padded in the kernel),
+    70 rows (not a multiple of the kernel's row tile), 2 batches × 3 heads."""
+    g = torch.Generator().manual_seed(5)
+    dout = torch.randn(2, 70, 3, 80, generator=g).to(torch.bfloat16).transpose(1, 2)
+    out = torch.randn(2, 70, 3, 80, generator=g).to(out_dtype).transpose(1, 2)
+    got = triton_backward.softmax_delta_triton(dout, out)
+    want = softmax_delta(dout, out)
+    assert got.dtype == torch.float32 and got.shape == (2, 3, 70) and got.is_contiguous()
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6 * want.abs().max().item())

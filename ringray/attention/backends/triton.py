@@ -8,9 +8,10 @@ Two ways in:
   ``forward_into`` attends a whole query block to a whole K/V block by their *global
   positions* and merges into the ring's float32 (out, LSE) accumulators in the same kernel;
   ``backward_into`` adds the block's dQ/dK/dV to float32 accumulators, given the ring's
-  final LSE and ``delta = rowsum(dO * O)`` computed once per ring call. The ring uses this
-  path whenever a backend offers it: one kernel launch per step and direction instead of
-  one per planned piece plus a merge pass.
+  final LSE and ``delta = rowsum(dO * O)`` computed once per ring call, by :meth:`delta`
+  (one small kernel over the ring's transposed views, no float32 copies). The ring uses
+  this path whenever a backend offers it: one kernel launch per step and direction instead
+  of one per planned piece plus a merge pass.
 
 Tile classification from positions (empty / full / straddling, see :mod:`.triton_tiles`)
 replaces the planner's pieces, so every layout, regular or not, runs without a dense mask.
@@ -26,8 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from ringray.attention.backends.common import BlockPairKey, softmax_delta
-from ringray.attention.backends.triton_backward import block_backward
+from ringray.attention.backends.common import BlockPairKey
+from ringray.attention.backends.triton_backward import block_backward, softmax_delta_triton
 from ringray.attention.backends.triton_common import SUPPORTED_DTYPES, kernels_interpreted
 from ringray.attention.backends.triton_forward import block_forward
 from ringray.attention.pieces import PieceKind
@@ -49,8 +50,14 @@ class TritonBackend:
     def backward(self, dout, q, k, v, out, lse, *, kind, scale, q_pos=None, k_pos=None,
                  causal=True, q_doc=None, k_doc=None, window=None):
         mask = _piece_mask(kind, q, k, q_pos, k_pos, causal, q_doc, k_doc, window)
-        return block_backward(dout, q, k, v, lse.float().contiguous(), softmax_delta(dout, out),
+        return block_backward(dout, q, k, v, lse.float().contiguous(), self.delta(dout, out),
                               scale=scale, **mask)
+
+    def delta(self, dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``rowsum(dout * out)``, float32 ``(batch, heads, seq)``, for :meth:`backward_into`:
+        ``dout`` and ``out`` ``(batch, heads, seq, d)`` in any dtype and strides, read as
+        they are (:func:`~.triton_backward.softmax_delta_triton`)."""
+        return softmax_delta_triton(dout, out)
 
     def forward_into(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -25,6 +25,11 @@ log-sum-exp rule, so the ring step's merge costs no extra pass over the output. 
 see no key keep ``lse = -inf`` and output 0. Head dims that are not a power of two (80, 96)
 are padded inside the kernel (masked loads), never in memory.
 
+Element offsets are int64 wherever a row index meets a stride: the ring's ``(batch, seq,
+heads, d)`` views have row stride ``heads × d``, so a block of 524,288 rows of 32 heads ×
+128 passes 2**31 elements. Each program widens its row and tile-0 offsets once; the loop
+adds an int64 tile start (one scalar product per tile).
+
 Launch shapes come from :mod:`.triton_config`. The registered backend that calls this is
 :class:`~ringray.attention.backends.triton.TritonBackend`. On CPU the kernel runs in Triton's
 interpreter (``TRITON_INTERPRET=1``); its speed is only meaningful on a GPU.
@@ -112,12 +117,17 @@ def _forward_kernel(
     h = bh % q_heads
     kv_h = h // group
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    # Element offsets in int64: row × row stride passes 2**31 in a long block (the ring's
+    # (batch, seq, heads, d) views have row stride heads × d). Widened once per program;
+    # the key loop adds an int64 tile start to the tile-0 pointers.
+    row_start = (tile_m * BLOCK_M).to(tl.int64)
+    tile_rows = tl.arange(0, BLOCK_M).to(tl.int64)
+    keys = tl.arange(0, BLOCK_N).to(tl.int64)
     dims = tl.arange(0, BLOCK_D)
-    keys = tl.arange(0, BLOCK_N)
     row_ok = rows < sq
     dim_ok = dims < HEAD_DIM
     q = tl.load(
-        Q + b * sqb + h * sqh + rows[:, None] * sqs + dims[None, :] * sqd,
+        Q + b * sqb + h * sqh + row_start * sqs + tile_rows[:, None] * sqs + dims[None, :] * sqd,
         mask=row_ok[:, None] & dim_ok[None, :], other=0.0,
     )
     # Padded rows get position -1 and document -1: they see no key of a straddling tile.
@@ -127,7 +137,7 @@ def _forward_kernel(
     if MASKING:  # this query tile's row of the tile lists
         num_full = tl.load(COUNTS + 2 * tile_m)
         num_masked = tl.load(COUNTS + 2 * tile_m + 1)
-        row = INDICES + tile_m * list_width
+        row = INDICES + tile_m.to(tl.int64) * list_width
     else:  # every key tile is full but a short last one, which is masked
         num_full = sk // BLOCK_N
         num_masked = tl.cdiv(sk, BLOCK_N) - num_full
@@ -163,8 +173,9 @@ def _forward_kernel(
     l_safe = tl.where(seen, l_i, 1.0)
     block_out = acc / l_safe[:, None]
     block_lse = tl.where(seen, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
-    out_ptrs = OUT + b * sob + h * soh + rows[:, None] * sos + dims[None, :] * sod
-    lse_ptrs = LSE + b * slb + h * slh + rows * sls
+    out_ptrs = (OUT + b * sob + h * soh + row_start * sos + tile_rows[:, None] * sos
+                + dims[None, :] * sod)
+    lse_ptrs = LSE + b * slb + h * slh + row_start * sls + tile_rows * sls
     io_mask = row_ok[:, None] & dim_ok[None, :]
     if MERGE:
         old_lse = tl.load(lse_ptrs, mask=row_ok, other=float("-inf"))

@@ -6,15 +6,17 @@ the compiler made of them: which loops it software-pipelined, shared memory, reg
     report.shared_bytes, report.registers, report.spill_bytes
 
 The launch is the one :func:`~.triton_forward.block_forward` / ``block_backward`` would
-make (:func:`~.triton_forward.forward_launch`), built on small CPU tensors with the CUDA
-tile table's entry and dot mode, and specialised the way Triton's launcher specialises
-real calls (an integer argument of 1 becomes a constant, multiples of 16 are marked so,
-pointers are 16-byte aligned). ``triton.compile`` then lowers it for ``arch`` (90: H100)
-down to a cubin; nothing runs. A loop counts as pipelined when Triton's pipeliner turned
-its loads into asynchronous copies to shared memory (``ttg.async_copy_global_to_local``
-in the loop body of the TTGIR), which it only does for loads it can issue ahead of the
-iteration that uses them. Registers and spills come from ``ptxas -v`` when Triton's ptxas
-is found.
+make (:func:`~.triton_forward.forward_launch`), built on small CPU tensors with the tile
+table's entry for ``arch`` and the CUDA dot mode, and specialised the way Triton's launcher
+specialises real calls (an integer argument of 1 becomes a constant, multiples of 16 are
+marked so, pointers are 16-byte aligned). ``triton.compile`` then lowers it for ``arch``
+(90: H100; 80: A100; 86, 89, 100, 120, 75...) down to a cubin; nothing runs.
+``shared_bytes`` is what Triton checks against the GPU's shared memory per block at launch
+(:data:`~.triton_config.SHARED_BYTES_PER_BLOCK`). A loop counts as pipelined when
+Triton's pipeliner turned its loads into asynchronous copies to shared memory
+(``ttg.async_copy_global_to_local`` in the loop body of the TTGIR), which it only does for
+loads it can issue ahead of the iteration that uses them (from sm_80 on). Registers and
+spills come from ``ptxas -v`` when Triton's ptxas is found.
 
 It needs the kernels compiled, not interpreted: run it in a process without
 ``TRITON_INTERPRET=1`` (the tests start one). What it cannot tell is speed: timing needs a
@@ -36,7 +38,7 @@ from triton.compiler import ASTSource
 
 from ringray.attention.backends import triton_backward, triton_forward
 from ringray.attention.backends.triton_common import KernelLaunch, dot_mode
-from ringray.attention.backends.triton_config import TileConfig, kernel_configs
+from ringray.attention.backends.triton_config import TileConfig, cuda_kernel_configs
 
 TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
                 torch.int32: "i32"}
@@ -57,11 +59,11 @@ def inspect_kernel(
     documents: bool = False, config: TileConfig | None = None, arch: int = 90,
 ) -> KernelReport:
     """Compile ``kernel`` (``"forward"`` or ``"backward"``) for ``sm_{arch}`` with
-    ``config`` (default: the CUDA table's entry) and report on it."""
+    ``config`` (default: the entry of that architecture's tile table) and report on it."""
     if not isinstance(triton_forward._forward_kernel, triton.JITFunction):
         raise RuntimeError("the kernels are interpreted here (TRITON_INTERPRET=1): inspect "
                            "them in a process without it")
-    table = kernel_configs(head_dim, dtype, torch.device("cuda"))
+    table = cuda_kernel_configs(head_dim, dtype, (arch // 10, arch % 10))
     cfg = config or getattr(table, kernel)
     launch, fn = _launch(kernel, head_dim, dtype, causal, documents, cfg)
     upcast, precision = dot_mode(dtype, torch.device("cuda"))
