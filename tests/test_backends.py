@@ -1,6 +1,9 @@
 """Local block-attention backends against float64 math, every piece kind, forward and
 backward, including rows that see no key and causal squares large enough to be split.
-``triton`` runs in Triton's interpreter on CPU (conftest.py sets ``TRITON_INTERPRET=1``)."""
+``triton`` runs in Triton's interpreter on CPU (conftest.py sets ``TRITON_INTERPRET=1``);
+``routed`` on CPU sends every piece to SDPA. The dense library kernels (cuDNN, PyTorch's
+flash, flash-attn, FA3) need a GPU: their tests are marked ``gpu``, as is the check that a
+masked SDPA piece on CUDA builds its mask without a host synchronisation."""
 
 from __future__ import annotations
 
@@ -13,8 +16,14 @@ from ringray.attention.backends import (
     FusedStepBackend,
     resolve_backend,
 )
+from ringray.attention.backends import common as backends_common
+from ringray.attention.backends import dense as dense_module
+from ringray.attention.backends import routed as routed_module
 from ringray.attention.backends.common import position_mask
+from ringray.attention.backends.dense import library_kernels
+from ringray.attention.backends.routed import RoutedBackend
 from ringray.attention.backends.sdpa import CPU_CAUSAL_LEAF, causal_quadtree
+from ringray.attention.merge import merge_into
 from ringray.attention.pieces import PieceKind
 
 CPU = torch.device("cpu")
@@ -70,7 +79,7 @@ def check_backend(name, kind, sq, sk, q_pos, k_pos, dtype=torch.float32, hkv=2, 
     return lse
 
 
-NAMES = ["reference", "sdpa", "triton"]
+NAMES = ["reference", "sdpa", "triton", "routed"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -128,8 +137,9 @@ def test_resolve_backend_choices_and_errors():
     assert resolve_backend("auto", CPU, torch.float32).name == "sdpa"
     assert resolve_backend("reference", CPU, torch.float64).name == "reference"
     assert resolve_backend("triton", CPU, torch.bfloat16).name == "triton"  # interpreted
-    with pytest.raises(ValueError,
-                       match="unknown backend 'flash'; valid: auto, reference, sdpa, triton"):
+    assert resolve_backend("routed", CPU, torch.float32).name == "routed"
+    with pytest.raises(ValueError, match="unknown backend 'flash'; valid: auto, reference, "
+                                         "sdpa, triton, routed"):
         resolve_backend("flash", CPU, torch.float32)
     with pytest.raises(ValueError, match="'sdpa' does not support torch.int32"):
         resolve_backend("sdpa", CPU, torch.int32)
@@ -139,10 +149,12 @@ def test_resolve_backend_choices_and_errors():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_auto_picks_triton_on_cuda_when_installed_else_sdpa(dtype, monkeypatch):
-    """``backend="auto"`` resolves to triton on CUDA when the triton package is importable,
-    to sdpa on CUDA without it, and to sdpa on CPU always, even here, where Triton's
+    """Where no library dense kernel runs (none here: set so on a GPU machine too),
+    ``backend="auto"`` resolves to triton on CUDA when the triton package is importable, to
+    sdpa on CUDA without it, and to sdpa on CPU always, even here, where Triton's
     interpreter would let the triton backend run on CPU."""
     cuda = torch.device("cuda")  # resolving needs no device: support is decided by type
+    monkeypatch.setattr(routed_module, "library_kernels", lambda: ())
     assert BACKENDS["triton"]().supports(CPU, dtype)  # so auto must skip it on purpose
     assert resolve_backend("auto", CPU, dtype).name == "sdpa"
     assert resolve_backend("auto", cuda, dtype).name == "triton"
@@ -150,6 +162,51 @@ def test_auto_picks_triton_on_cuda_when_installed_else_sdpa(dtype, monkeypatch):
     assert resolve_backend("auto", cuda, dtype).name == "sdpa"
     with pytest.raises(ValueError, match="'triton' needs the triton package"):
         resolve_backend("triton", cuda, dtype)
+
+
+def _a_gpu_with_torch_flash(monkeypatch) -> None:
+    """Resolve as on an sm90 GPU whose torch has its flash kernel built (nothing runs)."""
+    monkeypatch.setattr(dense_module, "_gpu_generation",
+                        lambda device: 9 if device.type == "cuda" else None)
+    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_auto_routes_half_precision_on_cuda_where_a_library_kernel_runs(dtype, monkeypatch):
+    """With PyTorch's flash kernel there, ``auto`` on CUDA is the routed backend for half
+    dtypes, its dense candidates the library kernels that run plus Triton and SDPA, its
+    masked backend Triton (SDPA without Triton); on CPU still sdpa, measuring nothing."""
+    cuda = torch.device("cuda")
+    _a_gpu_with_torch_flash(monkeypatch)
+    backend = resolve_backend("auto", cuda, dtype)
+    assert isinstance(backend, RoutedBackend)
+    assert backend.choices.path == routed_module.default_choices_path()
+    running = [k.name for k in backend.dense_kernels(cuda) if k.supports(cuda, dtype)]
+    assert "flash" in running and running[-2:] == ["triton", "sdpa"]
+    assert backend.masked_backend(cuda, dtype).name == "triton"
+    monkeypatch.setattr(backends, "triton_importable", lambda: False)
+    monkeypatch.setattr(routed_module, "triton_importable", lambda: False)
+    backend = resolve_backend("auto", cuda, dtype)
+    assert isinstance(backend, RoutedBackend)
+    assert backend.masked_backend(cuda, dtype).name == "sdpa"
+    assert resolve_backend("auto", CPU, dtype).name == "sdpa"
+
+
+def test_auto_keeps_the_fused_triton_step_where_no_library_kernel_takes_the_dtype(
+        monkeypatch):
+    """float32 on CUDA: no library kernel takes it, so ``auto`` stays on Triton's fused ring
+    step (a per-piece route could only add launches and merges)."""
+    _a_gpu_with_torch_flash(monkeypatch)
+    assert resolve_backend("auto", torch.device("cuda"), torch.float32).name == "triton"
+
+
+def test_a_backend_object_resolves_to_itself_once_checked():
+    """``resolve_backend`` takes a backend object too (a caller keeps one routed backend, and
+    its measured choices, over many ring calls), checked for support like a name."""
+    routed = RoutedBackend()
+    assert resolve_backend(routed, CPU, torch.float32) is routed
+    with pytest.raises(ValueError, match="'routed' does not support torch.int32 on cpu"):
+        resolve_backend(routed, CPU, torch.int32)
 
 
 def test_auto_falls_through_to_a_backend_that_takes_the_dtype():
@@ -165,6 +222,27 @@ def test_only_triton_offers_the_fused_ring_step():
     assert isinstance(BACKENDS["triton"](), FusedStepBackend)
     assert not isinstance(BACKENDS["sdpa"](), FusedStepBackend)
     assert not isinstance(BACKENDS["reference"](), FusedStepBackend)
+    assert not isinstance(BACKENDS["routed"](), FusedStepBackend)  # the ring calls it per piece
+
+
+def test_masked_positions_reach_the_device_through_upload(monkeypatch):
+    """A masked piece's positions and document indices (host tensors) go to the device
+    through ``common.upload`` (pinned, non-blocking on CUDA), not a pageable ``.to``."""
+    uploaded = []
+    upload = backends_common.upload
+
+    def spy(tensor, device, dtype=None):
+        uploaded.append((tensor, torch.device(device)))
+        return upload(tensor, device, dtype)
+
+    monkeypatch.setattr(backends_common, "upload", spy)
+    q_pos, k_pos = torch.arange(8) + 4, torch.arange(12)
+    q_doc, k_doc = q_pos // 6, k_pos // 6
+    allowed = position_mask(q_pos, k_pos, CPU, q_doc=q_doc, k_doc=k_doc)
+    assert [id(t) for t, _ in uploaded] == [id(t) for t in (q_pos, k_pos, q_doc, k_doc)]
+    assert {device for _, device in uploaded} == {CPU}
+    want = (q_pos[:, None] >= k_pos[None, :]) & (q_doc[:, None] == k_doc[None, :])
+    assert torch.equal(allowed, want)
 
 
 @pytest.mark.gpu
@@ -201,3 +279,159 @@ def test_sdpa_cuda_kernels_match_float64(dtype, q_len, k_len):
                                  kind=kind, scale=0.125, **extra)
         for got, ref in zip(grads, want[2:], strict=True):
             torch.testing.assert_close(got.double().cpu(), ref, atol=tol * 5, rtol=tol * 5)
+
+
+# The backward signatures of flash-attn 2.5, flash-attn 2.7 and FA3 (hopper/), parameter names
+# and defaults as those releases declare them (bodies unused).
+def _fa25_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale,
+                   causal, window_size, alibi_slopes, deterministic, rng_state=None): ...
+
+
+def _fa27_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale,
+                   causal, window_size_left, window_size_right, softcap, alibi_slopes,
+                   deterministic, rng_state=None): ...
+
+
+def _fa3_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q=None, cu_seqlens_k=None,
+                  sequed_q=None, sequed_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                  dq=None, dk=None, dv=None, softmax_scale=None, is_causal=False,
+                  window_size_left=-1, window_size_right=-1, softcap=0.0, deterministic=False,
+                  sm_margin=0): ...
+
+
+def _future_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal,
+                     new_required_knob): ...
+
+
+def test_flash_attn_backward_is_called_by_the_names_each_release_uses():
+    """The flash-attn/FA3 adapter passes by keyword exactly the parameters a release declares
+    that it knows (FA2's ``causal``, FA3's ``is_causal``; FA3's variable-length arguments
+    keep their defaults), and refuses a release with a required parameter it does not know,
+    naming it (the routed backend's measurement then drops the kernel)."""
+    known = dense_module._BACKWARD_PARAMETERS
+    tensors = ("dout", "q", "k", "v", "out", "softmax_lse")
+    assert dense_module._parameters_known(_fa25_backward, known) == (
+        *tensors, "dq", "dk", "dv", "dropout_p", "softmax_scale", "causal", "window_size",
+        "alibi_slopes", "deterministic", "rng_state")
+    assert "window_size_left" in dense_module._parameters_known(_fa27_backward, known)
+    fa3 = dense_module._parameters_known(_fa3_backward, known)
+    assert fa3 == (*tensors, "dq", "dk", "dv", "softmax_scale", "is_causal",
+                   "window_size_left", "window_size_right", "softcap", "deterministic",
+                   "sm_margin")
+    with pytest.raises(TypeError, match="parameter 'new_required_knob' is not one this "
+                                        "adapter knows"):
+        dense_module._parameters_known(_future_backward, known)
+
+
+DENSE_NAMES = [kernel.name for kernel in library_kernels()]
+
+
+def _dense_kernel(name: str, dtype: torch.dtype):
+    kernel = next(k for k in library_kernels() if k.name == name)
+    if not kernel.supports(torch.device("cuda"), dtype):
+        pytest.skip(f"{name} does not run on this machine (not built, installed, or GPU too old)")
+    return kernel
+
+
+def _as_ring_views(q, k, v, dout):
+    """The tensors laid out as the ring hands them to a kernel: q and dout as rows of a
+    (B, S, H, D) block seen as (B, H, S, D), k and v as rows of a contiguous (B, H, S, D)
+    buffer, none of them starting at row 0."""
+    def rows_of_bshd(t):
+        block = torch.zeros(t.shape[0], t.shape[2] + 24, t.shape[1], t.shape[3],
+                            dtype=t.dtype, device=t.device)
+        block[:, 8:8 + t.shape[2]] = t.transpose(1, 2)
+        return block[:, 8:8 + t.shape[2]].transpose(1, 2)
+
+    def rows_of_bhsd(t):
+        block = torch.zeros(t.shape[0], t.shape[1], t.shape[2] + 24, t.shape[3],
+                            dtype=t.dtype, device=t.device)
+        block[:, :, 16:16 + t.shape[2]] = t
+        return block[:, :, 16:16 + t.shape[2]]
+
+    return rows_of_bshd(q), rows_of_bhsd(k), rows_of_bhsd(v), rows_of_bshd(dout)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", DENSE_NAMES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("hkv", [8, 2])
+@pytest.mark.parametrize("layout", ["contiguous", "ring"])
+def test_dense_kernel_matches_float64(name, dtype, hkv, layout):
+    """Each library kernel's out, LSE (natural log, float32, (B, H, S)) and dq/dk/dv (dk/dv
+    at the kv-head count) against float64 math: a FULL rectangle and CAUSAL squares, one of
+    a length that is no multiple of the kernels' tiles; MHA and GQA 8:2; contiguous tensors
+    and the strided row views the ring passes."""
+    kernel = _dense_kernel(name, dtype)
+    for kind, q_len, k_len in ((PieceKind.FULL, 200, 136), (PieceKind.CAUSAL, 256, 256),
+                               (PieceKind.CAUSAL, 200, 200)):
+        q, k, v, dout = (t.cuda() for t in inputs(q_len, k_len, hq=8, hkv=hkv, d=64,
+                                                  dtype=dtype))
+        if layout == "ring":
+            q, k, v, dout = _as_ring_views(q, k, v, dout)
+        allowed = allowed_for(kind, torch.arange(q_len), torch.arange(k_len))
+        want = math64(q.cpu(), k.cpu(), v.cpu(), dout.cpu(), allowed, 0.125)
+        out, lse = kernel.forward(q, k, v, kind=kind, scale=0.125)
+        assert lse.dtype == torch.float32 and lse.shape == (2, 8, q_len)
+        torch.testing.assert_close(out.double().cpu(), want[0], atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse.double().cpu(), want[1], atol=2e-2, rtol=2e-2)
+        grads = kernel.backward(dout, q, k, v, want[0].to(dtype).cuda(), want[1].float().cuda(),
+                                kind=kind, scale=0.125)
+        assert [tuple(g.shape) for g in grads] == [tuple(q.shape), tuple(k.shape),
+                                                   tuple(v.shape)]
+        for got, ref in zip(grads, want[2:], strict=True):
+            torch.testing.assert_close(got.double().cpu(), ref, atol=1e-1, rtol=1e-1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", DENSE_NAMES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_dense_kernel_backward_takes_the_ring_final_out_and_lse(name, dtype):
+    """The ring's identity: 128 queries over 256 keys as a FULL piece (keys 0..127) and a
+    CAUSAL square (keys 128..255), merged by LSE in float32 as the ring merges; each piece's
+    backward, given the *merged* out and LSE, adds up to the whole attention's gradients."""
+    kernel = _dense_kernel(name, dtype)
+    q, k, v, dout = (t.cuda() for t in inputs(128, 256, hq=8, hkv=2, d=64, dtype=dtype))
+    halves = (slice(0, 128), slice(128, 256))
+    kinds = (PieceKind.FULL, PieceKind.CAUSAL)
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:3], float("-inf"), device=q.device)
+    for keys, kind in zip(halves, kinds, strict=True):
+        piece_out, piece_lse = kernel.forward(q, k[:, :, keys], v[:, :, keys], kind=kind,
+                                              scale=0.125)
+        merge_into(out, lse, piece_out, piece_lse)
+    allowed = torch.cat([torch.ones(128, 128, dtype=torch.bool),
+                         torch.ones(128, 128, dtype=torch.bool).tril()], dim=1)
+    want = math64(q.cpu(), k.cpu(), v.cpu(), dout.cpu(), allowed, 0.125)
+    torch.testing.assert_close(out.double().cpu(), want[0], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse.double().cpu(), want[1], atol=2e-2, rtol=2e-2)
+    dq, dk, dv = torch.zeros_like(out), torch.zeros(k.shape, device=q.device), \
+        torch.zeros(v.shape, device=q.device)
+    for keys, kind in zip(halves, kinds, strict=True):
+        part = kernel.backward(dout, q, k[:, :, keys], v[:, :, keys], out.to(dtype), lse,
+                               kind=kind, scale=0.125)
+        dq += part[0]
+        dk[:, :, keys] += part[1]
+        dv[:, :, keys] += part[2]
+    for got, ref in zip((dq, dk, dv), want[2:], strict=True):
+        torch.testing.assert_close(got.double().cpu(), ref, atol=1e-1, rtol=1e-1)
+
+
+@pytest.mark.gpu
+def test_sdpa_masked_piece_on_cuda_waits_for_no_host_copy():
+    """A masked SDPA piece whose positions and document indices are host tensors (as the
+    ring passes them) makes no synchronising host-to-device copy: under
+    ``torch.cuda.set_sync_debug_mode("error")`` a pageable ``.to(device)`` raises."""
+    backend = BACKENDS["sdpa"]()
+    q, k, v, dout = (t.cuda() for t in inputs(64, 80, hq=8, hkv=2, d=64, dtype=torch.bfloat16))
+    q_pos, k_pos = torch.arange(64) + 40, torch.arange(80)
+    mask = {"q_pos": q_pos, "k_pos": k_pos, "q_doc": q_pos // 50, "k_doc": k_pos // 50}
+    out, lse = backend.forward(q, k, v, kind=PieceKind.MASKED, scale=0.125, **mask)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out, lse = backend.forward(q, k, v, kind=PieceKind.MASKED, scale=0.125, **mask)
+        backend.backward(dout, q, k, v, out, lse, kind=PieceKind.MASKED, scale=0.125, **mask)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()

@@ -106,7 +106,7 @@ def check_local(
     layout: str | Layout | list[list[int]],
     causal: bool,
     softmax_scale: float | None,
-    backend: str,
+    backend: str | BlockAttentionBackend,
     documents: Documents | list[int] | None = None,
     ulysses: int = 1,
     window: int | None = None,

@@ -44,6 +44,7 @@ from ringray.attention import (
     make_layout,
     ring_attention,
 )
+from ringray.attention.backends import BlockAttentionBackend
 from ringray.attention.backends.common import upload
 from ringray.model.config import ModelConfig
 from ringray.model.loss import LOSS_CHUNK_TOKENS, chunked_cross_entropy_sum
@@ -67,7 +68,9 @@ class RingContext:
     """The Ulysses group this rank swaps sequence for heads with around the ring (``layout``
     is then a ring × Ulysses grid layout and ``rank`` this rank's index in the grid);
     ``None``: ring only."""
-    backend: str = "auto"
+    backend: str | BlockAttentionBackend = "auto"
+    """A backend's name, or one resolved backend for every call (``auto``'s measured
+    choices then stay with it: :mod:`ringray.attention.backends.routed`)."""
     stats: RingStats | None = None
     documents: Documents | None = None
     """Document lengths of the global sequence, shared by the batch's rows (passed to

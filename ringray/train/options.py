@@ -108,7 +108,9 @@ class ParallelOptions:
     striped, balanced, whole: of cp); passkey evaluation (one document per sequence) runs
     zigzag where training runs balanced or whole."""
     attention_backend: BackendName = "auto"
-    """Local attention kernel (auto: triton on CUDA when installed, else sdpa)."""
+    """Local attention kernel (auto: on CUDA in half precision, each piece to the fastest
+    kernel measured on the device, cuDNN, flash, flash-attn or Triton, masked pieces to
+    Triton (routed); else triton on CUDA when installed; sdpa on CPU)."""
     fsdp: bool = False
     """Shard weights, gradients and AdamW state over all dp × cp ranks (FSDP2 over the
     flattened mesh: each block's weights are all-gathered for its forward and backward, and

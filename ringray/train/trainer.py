@@ -203,10 +203,15 @@ class Trainer:
         shape, self.layout = check_world(options, world_size(), self.device)
         self.mesh: Mesh = build_mesh(shape, device_type=self.device.type)
         self.ring_stats = RingStats()
+        # One backend for every ring call, resolved once: auto's measured choices of kernel
+        # (ringray.attention.backends.routed) are kept in it for the whole run.
+        self.attention_backend = resolve_backend(
+            options.parallel.attention_backend, self.device,
+            compute_dtype(options.train.precision, self.device) or torch.float32)
         self.ring = RingContext(
             layout=self.layout, rank=self.mesh.cp_rank, group=self.mesh.ring_group,
             ulysses_group=self.mesh.ulysses_group,
-            backend=options.parallel.attention_backend, stats=self.ring_stats,
+            backend=self.attention_backend, stats=self.ring_stats,
             agreement=RingAgreement(),
         )
         self._document_rings: OrderedDict[tuple[int, ...], RingContext] = OrderedDict()
@@ -357,7 +362,7 @@ class Trainer:
             documents, layout=layout, rank=self.mesh.cp_rank,
             restart_positions=self.options.data.document_positions, device=self.device,
             group=self.mesh.ring_group, ulysses_group=self.mesh.ulysses_group,
-            backend=self.options.parallel.attention_backend, stats=self.ring_stats,
+            backend=self.attention_backend, stats=self.ring_stats,
             agreement=RingAgreement(),
         )
         self._document_rings[documents] = ring
@@ -497,7 +502,7 @@ class Trainer:
         ring = RingContext(
             layout=layout, rank=self.mesh.cp_rank, group=self.mesh.ring_group,
             ulysses_group=self.mesh.ulysses_group,
-            backend=self.options.parallel.attention_backend, agreement=RingAgreement(),
+            backend=self.attention_backend, agreement=RingAgreement(),
         )
         with self._autocast():
             logits = self.model(layout.shard(tokens, self.mesh.cp_rank).to(self.device), ring)

@@ -11,8 +11,17 @@ the inputs; the ring accumulates them in float32 (float64 for float64 inputs).
 
 Backends: ``reference`` (materialised scores, any mask, float64; for tests), ``sdpa``
 (PyTorch's fused flash/efficient kernels, CPU and CUDA), ``triton`` (the project's own
-position-aware kernels; CUDA, and CPU under ``TRITON_INTERPRET=1`` for tests). ``auto``
-picks ``triton`` on CUDA when the triton package is importable, else ``sdpa``.
+position-aware kernels; CUDA, and CPU under ``TRITON_INTERPRET=1`` for tests), ``routed``
+(:mod:`.routed`: FULL and CAUSAL pieces to the fastest dense kernel of :mod:`.dense` -- cuDNN,
+PyTorch's flash, flash-attn, FA3, Triton, SDPA -- measured once per shape class on the device;
+MASKED pieces to Triton's per-piece path on CUDA, to SDPA without Triton and on CPU).
+
+``auto``: on CUDA, ``routed`` for float16/bfloat16 where a library dense kernel runs (its
+choices measured, and cached in ``~/.cache/ringray/kernel-choices.json``), else ``triton``
+when the triton package is importable (its fused ring step), else ``sdpa``; on CPU ``sdpa``
+(nothing to measure); float64 on CUDA falls through to ``reference``. ``auto`` on CUDA is a
+measured decision, not a constant: see :mod:`.routed` for what is timed and where it is kept.
+The interfaces themselves live in :mod:`.protocols`.
 
 A backend may also offer the optional :class:`FusedStepBackend` capability (``triton``
 does): whole ring-step blocks addressed by global positions, accumulated in place. The ring
@@ -22,85 +31,25 @@ piece and merges with :func:`~ringray.attention.merge.merge_into`.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Protocol, runtime_checkable
 
 import torch
 
-from ringray.attention.backends.common import BlockPairKey
+from ringray.attention.backends.common import BlockPairKey, triton_importable
+from ringray.attention.backends.protocols import (
+    BlockAttentionBackend,
+    DenseKernel,
+    FusedStepBackend,
+)
 from ringray.attention.backends.reference import ReferenceBackend
+from ringray.attention.backends.routed import auto_routed_backend, routed_backend
 from ringray.attention.backends.sdpa import SdpaBackend
-from ringray.attention.pieces import PieceKind
 
-
-class BlockAttentionBackend(Protocol):
-    name: str
-
-    def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
-        """Whether this backend can run every piece kind on this device and dtype."""
-        ...
-
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kind: PieceKind,
-        scale: float, q_pos: torch.Tensor | None = None, k_pos: torch.Tensor | None = None,
-        causal: bool = True, q_doc: torch.Tensor | None = None,
-        k_doc: torch.Tensor | None = None, window: int | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out, lse)``: out ``(B, Hq, Sq, D)``, lse ``(B, Hq, Sq)`` float32/64.
-
-        A ``MASKED`` piece's mask comes from the tokens' global positions (``q_pos >= k_pos``
-        when ``causal``, ``q_pos - k_pos <= window - 1`` with a sliding ``window``) and,
-        with packed documents, their document indices (equal);
-        :func:`~.common.position_mask` is the rule. Other kinds ignore them."""
-        ...
-
-    def backward(
-        self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        out: torch.Tensor, lse: torch.Tensor, *, kind: PieceKind, scale: float,
-        q_pos: torch.Tensor | None = None, k_pos: torch.Tensor | None = None,
-        causal: bool = True, q_doc: torch.Tensor | None = None,
-        k_doc: torch.Tensor | None = None, window: int | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(dq, dk, dv)`` with dk/dv at the kv-head count (mask as in :meth:`forward`)."""
-        ...
-
-
-@runtime_checkable
-class FusedStepBackend(Protocol):
-    """Optional capability: one call per ring step and direction, on whole blocks.
-
-    Positions are the blocks' global token positions (int32 on the tensors' device); the
-    causal rule ``q_pos >= k_pos`` (and a sliding ``window``: ``q_pos - k_pos <= window -
-    1``) is applied by the kernel, and with packed documents ``q_doc``/``k_doc`` (the
-    tokens' document indices, int32) confine attention to a document. ``key`` names the
-    block pair's tokens (:class:`~.common.BlockPairKey`) so a backend may cache what it
-    derives from them (Triton's tile lists). Accumulators are float32: ``out``/``dq``
-    ``(B, Hq, Sq, D)``, ``lse``/``delta`` ``(B, Hq, Sq)``, ``dk``/``dv`` ``(B, Hkv, Sk, D)``.
-    """
-
-    def forward_into(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        out: torch.Tensor, lse: torch.Tensor, *, causal: bool, scale: float,
-        q_pos: torch.Tensor, k_pos: torch.Tensor,
-        q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None,
-        key: BlockPairKey | None = None, window: int | None = None,
-    ) -> None:
-        """Merge this block's attention into ``(out, lse)`` (initially 0 / -inf) in place."""
-        ...
-
-    def backward_into(
-        self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        lse: torch.Tensor, delta: torch.Tensor,
-        dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *,
-        causal: bool, scale: float, q_pos: torch.Tensor, k_pos: torch.Tensor,
-        q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None,
-        key: BlockPairKey | None = None, window: int | None = None,
-    ) -> None:
-        """Add this block's gradients to ``dq, dk, dv``, given the final ``lse`` and
-        ``delta = rowsum(dout * out)`` (:func:`~.common.softmax_delta`)."""
-        ...
+__all__ = [
+    "BACKENDS", "BlockAttentionBackend", "BlockPairKey", "DenseKernel", "FusedStepBackend",
+    "auto_candidates", "resolve_backend", "triton_importable",
+]
 
 
 def _triton_backend() -> BlockAttentionBackend:
@@ -110,27 +59,38 @@ def _triton_backend() -> BlockAttentionBackend:
 
 
 BACKENDS: Mapping[str, Callable[[], BlockAttentionBackend]] = MappingProxyType(
-    {"reference": ReferenceBackend, "sdpa": SdpaBackend, "triton": _triton_backend}
+    {"reference": ReferenceBackend, "sdpa": SdpaBackend, "triton": _triton_backend,
+     "routed": routed_backend}
 )
 
 
-def triton_importable() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 def auto_candidates(device: torch.device) -> tuple[str, ...]:
-    """Backends ``auto`` tries in order: ``triton`` first on CUDA when it is installed."""
-    if device.type == "cuda" and triton_importable():
-        return ("triton", "sdpa", "reference")
+    """Backends ``auto`` tries in order. On CUDA: ``routed`` where a library kernel runs the
+    dtype (:func:`~.routed.auto_routed_backend`), then ``triton`` when it is installed, then
+    ``sdpa`` and ``reference``. Elsewhere ``sdpa``, then ``reference``."""
+    if device.type == "cuda":
+        tail = ("triton", "sdpa", "reference") if triton_importable() else ("sdpa", "reference")
+        return ("routed", *tail)
     return ("sdpa", "reference")
 
 
-def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> BlockAttentionBackend:
-    """The backend called ``name`` (or the best one for ``auto``), checked for support."""
+def resolve_backend(name: str | BlockAttentionBackend, device: torch.device,
+                    dtype: torch.dtype) -> BlockAttentionBackend:
+    """The backend called ``name`` (or the best one for ``auto``), checked for support.
+
+    A backend object is checked and returned as it is: a caller that makes many ring calls
+    (a training step's layers) may resolve ``auto`` once and pass the object, so that a
+    routed backend's measured choices stay with it."""
+    if not isinstance(name, str):
+        if not name.supports(device, dtype):
+            raise ValueError(f"backend: {name.name!r} does not support {dtype} on "
+                             f"{device.type}")
+        return name
     if name == "auto":
         for candidate in auto_candidates(device):
-            backend = BACKENDS[candidate]()
-            if backend.supports(device, dtype):
+            backend = (auto_routed_backend(device, dtype) if candidate == "routed"
+                       else BACKENDS[candidate]())
+            if backend is not None and backend.supports(device, dtype):
                 return backend
         raise ValueError(f"backend: no backend supports {dtype} on {device.type}")
     if name not in BACKENDS:
@@ -142,4 +102,3 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> Bloc
     if not backend.supports(device, dtype):
         raise ValueError(f"backend: {name!r} does not support {dtype} on {device.type}")
     return backend
-

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -10,6 +11,11 @@ import torch
 if TYPE_CHECKING:
     from ringray.attention.documents import Documents
     from ringray.attention.layouts import Layout
+
+
+def triton_importable() -> bool:
+    """Whether the triton package is installed (its kernels are defined on first use)."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def upload(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None
@@ -43,9 +49,10 @@ def position_mask(
 ) -> torch.Tensor:
     """``(Sq, Sk)`` bool: True where query may see key: ``q_pos >= k_pos`` when ``causal``,
     ``q_pos - k_pos <= window - 1`` with a sliding ``window``, and the same document when
-    document indices are given (:mod:`ringray.attention.documents`).
+    document indices are given (:mod:`ringray.attention.documents`). Host tensors go to a
+    CUDA ``device`` through :func:`upload` (pinned, no stream synchronisation).
     """
-    q_pos, k_pos = q_pos.to(device), k_pos.to(device)
+    q_pos, k_pos = upload(q_pos, device), upload(k_pos, device)
     if causal:
         allowed = q_pos[:, None] >= k_pos[None, :]
     else:
@@ -53,7 +60,7 @@ def position_mask(
     if window is not None:
         allowed &= q_pos[:, None] - k_pos[None, :] <= window - 1
     if q_doc is not None and k_doc is not None:
-        allowed &= q_doc.to(device)[:, None] == k_doc.to(device)[None, :]
+        allowed &= upload(q_doc, device)[:, None] == upload(k_doc, device)[None, :]
     return allowed
 
 
@@ -67,6 +74,14 @@ def softmax_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     backward's per-row term, over the *final* output. A ring computes it once per call."""
     acc = accumulation_dtype(dout.dtype)
     return torch.einsum("...sd,...sd->...s", dout.to(acc), out.to(acc))
+
+
+def backend_delta(backend: object, dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """:func:`softmax_delta` as ``backend`` computes it: its own ``delta(dout, out)`` where it
+    has one (Triton's small kernel reads both in their dtypes and strides, no float32
+    copies), else the torch expression."""
+    own = getattr(backend, "delta", None)
+    return own(dout, out) if own is not None else softmax_delta(dout, out)
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,10 @@ fp32 take the same time), and float32 per-block partials keep the ring's merge e
 On CUDA it calls the flash kernel for float16/bfloat16 full and causal pieces, and the
 memory-efficient kernel (which takes a bias and float32) otherwise, with the bias and the LSE
 laid out as public SDPA lays them out (expanded, rows padded to 16; LSE padded to 32); a masked
-half-precision piece's backward runs that kernel in float32 (its half backward was wrong). The
-CUDA path needs a GPU to be exercised; its tests are marked ``gpu``.
+half-precision piece's backward runs that kernel in float32 (its half backward was wrong). A
+masked piece's positions and document indices (host tensors) reach the GPU by pinned,
+non-blocking copies (:func:`~.common.position_mask`), so building its mask does not wait for
+the stream. The CUDA path needs a GPU to be exercised; its tests are marked ``gpu``.
 
 Causal squares on CPU are cut into a quadtree (two causal halves and one full block,
 recursively, down to :data:`CPU_CAUSAL_LEAF` rows). The CPU kernel tiles 256 queries by 512
@@ -208,11 +210,32 @@ def _padded_lse(lse: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(lse.float(), (0, pad)) if pad else lse.float().contiguous()
 
 
+def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch's CUDA flash kernel (float16/bfloat16, K/V at the query head count): ``(out,
+    lse)``, a causal square top-left aligned. Also the ``flash`` kernel of :mod:`.dense`."""
+    result = _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+    return result[0], result[1]
+
+
+def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   out: torch.Tensor, lse: torch.Tensor, *, causal: bool, scale: float
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The flash kernel's backward given the *final* ``out`` and ``lse`` (float32) of the
+    rows: ``(dq, dk, dv)`` at the query head count."""
+    no_rng = torch.empty((), dtype=torch.int64, device=q.device)
+    # None passes an undefined tensor, as autograd does: the kernel reads a *defined* empty
+    # cum_seq as a variable-length batch ("batch size must be positive"), seen on an H200.
+    return _aten._scaled_dot_product_flash_attention_backward(
+        dout.to(q.dtype), q, k, v, out.to(q.dtype), lse.float().contiguous(), None, None,
+        q.shape[2], k.shape[2], 0.0, causal, no_rng, no_rng, scale=scale,
+    )
+
+
 def _cuda_forward(q, k, v, kind, scale, allowed):
     causal = kind is PieceKind.CAUSAL
     if _use_flash(q, allowed):
-        result = _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
-        return result[0], result[1]
+        return flash_forward(q, k, v, causal=causal, scale=scale)
     out, lse, _, _ = _aten._scaled_dot_product_efficient_attention(
         q, k, v, _cuda_bias(allowed, q, k), True, 0.0, causal, scale=scale
     )
@@ -221,17 +244,13 @@ def _cuda_forward(q, k, v, kind, scale, allowed):
 
 def _cuda_backward(dout, q, k, v, out, lse, kind, scale, allowed):
     causal = kind is PieceKind.CAUSAL
+    if _use_flash(q, allowed):
+        return flash_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
     out = out.to(q.dtype)
     dout = dout.to(q.dtype)
     no_rng = torch.empty((), dtype=torch.int64, device=q.device)
-    # None passes an undefined tensor, as autograd does: the kernels read a *defined* empty
-    # cum_seq as a variable-length batch ("batch size must be positive") and a defined empty
+    # None passes an undefined tensor, as autograd does: the kernel reads a defined empty
     # bias as a malformed one ("Bias expected in BMHK format"), seen on an H200 (torch 2.11).
-    if _use_flash(q, allowed):
-        return _aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, None, None, q.shape[2], k.shape[2],
-            0.0, causal, no_rng, no_rng, scale=scale,
-        )
     # A masked piece in half precision is differentiated in float32: the efficient kernel's
     # half backward with a bias gave wrong dQ/dK on an H200 (torch 2.11; dV right, dQ off by
     # up to 2.0 where public SDPA was right), and its float32 backward matched float64. The
