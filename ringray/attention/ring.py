@@ -26,7 +26,11 @@ straight from its owner, in rounds in which every rank sends and receives at mos
 (:mod:`ringray.attention.transfers`; with every block read, round t is ring distance t). A
 step posts one round's messages before its compute and waits for them after it, so the
 transfer hides behind the compute; rounds in which a rank neither sends nor receives are not
-steps at all on that rank.
+steps at all on that rank. On CUDA a step is posted from a side stream that waits only for
+what its messages need (:class:`~ringray.attention.comm.StepScheduler`): the own block (in
+the backward, the dK/dV sum it returns), and the compute that last used each receive buffer,
+given back at least a step earlier; so a send never queues behind the previous step's
+compute, and receives run a step ahead (one buffer more in each pool than on CPU).
 
 Forward: the own block first, then each received block; where the layout is balanced in
 total but not per step, the transfer plan instead spreads the own block over the steps in
@@ -54,15 +58,22 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
 import torch.distributed as dist
 
 from ringray.attention.backends import BlockAttentionBackend, BlockPairKey, FusedStepBackend
-from ringray.attention.backends.common import accumulation_dtype, softmax_delta, upload
-from ringray.attention.comm import PendingExchange, RingComm
+from ringray.attention.backends.common import accumulation_dtype, backend_delta, upload
+from ringray.attention.comm import (
+    PendingExchange,
+    Posting,
+    RingComm,
+    StepScheduler,
+    StreamMark,
+    step_scheduler,
+)
 from ringray.attention.documents import Documents
 from ringray.attention.layouts import Layout
 from ringray.attention.merge import merge_into
@@ -95,7 +106,7 @@ def ring_attention(
     layout: str | Layout | list[list[int]] = "zigzag",
     causal: bool = True,
     softmax_scale: float | None = None,
-    backend: str = "auto",
+    backend: str | BlockAttentionBackend = "auto",
     return_lse: bool = False,
     stats: RingStats | None = None,
     documents: Documents | list[int] | None = None,
@@ -122,7 +133,10 @@ def ring_attention(
             ring's R-rank layout or position lists.
         causal: apply ``q_pos >= k_pos`` on global positions.
         softmax_scale: defaults to ``head_dim ** -0.5``.
-        backend: local kernel: ``"auto"``, ``"triton"``, ``"sdpa"`` or ``"reference"``.
+        backend: local kernel: ``"auto"``, ``"routed"``, ``"triton"``, ``"sdpa"`` or
+            ``"reference"``, or a backend resolved once
+            (:func:`~ringray.attention.backends.resolve_backend`) so that what it learns
+            (``auto``'s measured kernel choices) lasts across calls.
         return_lse: also return the natural-log LSE, ``(batch, q_heads, local_seq)``
             float32 (not differentiable).
         stats: a :class:`RingStats` that receives one record per ring step (and one per
@@ -233,26 +247,46 @@ def _row_index(layout: Layout, causal: bool, documents: Documents | None,
     return upload(index, device)
 
 
-def _index(call: RingCall, source: int, reader: int, device: torch.device) -> torch.Tensor:
-    return _row_index(call.layout, call.causal, call.documents, call.window, source, reader,
-                      device)
+@lru_cache(maxsize=64)
+def _row_indices(layout: Layout, causal: bool, documents: Documents | None,
+                 window: int | None, every_block: bool, rank: int,
+                 device: torch.device) -> dict[tuple[int, int], torch.Tensor]:
+    """Every row index ``rank``'s partial transfers use, by ``(source, reader)``: the rows
+    each reader reads of ``rank``'s block, and the rows ``rank`` reads of each other block.
+    A call takes them all when it starts, on the compute stream and before its own-block
+    mark, so a posting that gathers rows (on CUDA, on a side stream that waits for that
+    mark) never reads an index still being uploaded. Cached like the plans: do not modify."""
+    plan = _transfers(layout, causal, documents, window, every_block)
+    indices = {}
+    for other in range(layout.world_size):
+        for pair in ((rank, other), (other, rank)):
+            if other != rank and plan.is_partial(*pair):
+                indices[pair] = _row_index(layout, causal, documents, window, *pair, device)
+    return indices
 
 
-def _rows_out(call: RingCall, block: torch.Tensor, source: int, reader: int) -> torch.Tensor:
+def _index(call: RingCall, source: int, reader: int) -> torch.Tensor:
+    return call.row_index[source, reader]
+
+
+def _rows_out(call: RingCall, block: torch.Tensor, source: int, reader: int,
+              post: Posting) -> torch.Tensor:
     """What travels between ``source`` and ``reader`` for ``block`` (``source``'s K/V block
     or the reader's dK/dV sum of it, rows on dim 3): the rows the reader reads, gathered
-    into one contiguous tensor, or the whole block when it reads every row."""
+    into one contiguous tensor (in ``post``, where the step is posted), or the whole block
+    when it reads every row."""
     if not call.transfers.is_partial(source, reader):
         return block
-    return block.index_select(3, _index(call, source, reader, block.device))
+    return post.made(block.index_select(3, _index(call, source, reader)))
 
 
-def _rows_in_buffer(call: RingCall, buffers: _Buffers, source: int,
-                    reader: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(tensor, buffer)``: a tensor to receive what :func:`_rows_out` sends, and the pool
-    buffer it lives in (to give back once used): the buffer itself when the whole block
-    travels, else a contiguous view of its first elements shaped for the rows read."""
-    buffer = buffers.take()
+def _rows_in_buffer(call: RingCall, buffers: _Buffers, source: int, reader: int,
+                    post: Posting) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tensor, buffer)``: a tensor to receive what :func:`_rows_out` sends in ``post``,
+    and the pool buffer it lives in (to give back once used): the buffer itself when the
+    whole block travels, else a contiguous view of its first elements shaped for the rows
+    read."""
+    buffer = buffers.take(post)
     if not call.transfers.is_partial(source, reader):
         return buffer, buffer
     shape = (*buffer.shape[:3], call.transfers.row_count(source, reader), *buffer.shape[4:])
@@ -268,7 +302,7 @@ def _kv_received(call: RingCall, received: torch.Tensor, buffer: torch.Tensor,
     if not call.transfers.is_partial(source, call.comm.rank):
         return received
     block = buffers.take()
-    block.index_copy_(3, _index(call, source, call.comm.rank, block.device), received)
+    block.index_copy_(3, _index(call, source, call.comm.rank), received)
     buffers.give(buffer)
     return block
 
@@ -308,6 +342,8 @@ class RingCall:
     plan: RankPlan
     transfers: TransferPlan
     every_block: bool  # transfers="all": every block whole to every rank
+    # the rows of each partial transfer this rank sends or receives (_row_indices)
+    row_index: dict[tuple[int, int], torch.Tensor] = field(compare=False)
 
     @property
     def fused(self) -> FusedStepBackend | None:
@@ -320,23 +356,47 @@ _KV_TAG, _DKV_TAG = 0, 1
 
 
 class _Buffers:
-    """Reusable tensors shaped like ``template``: at most as many exist as are in use at
-    once (two K/V receive buffers, two dK/dV sums), made on first need."""
+    """Reusable tensors shaped like ``template``, made on first need: on CPU at most as many
+    exist as are in use at once (two K/V receive buffers, two dK/dV sums).
 
-    def __init__(self, template: torch.Tensor, dtype: torch.dtype) -> None:
-        self._template, self._dtype = template, dtype
-        self._free: list[torch.Tensor] = []
+    A tensor given back carries the scheduler's mark after its last use
+    (:meth:`StepScheduler.mark`), and whoever takes it next waits for that mark. A receive
+    (a take inside a posting) takes the oldest tensor the scheduler lets it reuse without
+    waiting for the previous step's compute (:meth:`StepScheduler.reusable`; on CUDA that
+    keeps one tensor more in the pool, and lets receives run a step ahead); the compute
+    takes the newest."""
 
-    def take(self) -> torch.Tensor:
+    def __init__(self, template: torch.Tensor, dtype: torch.dtype,
+                 scheduler: StepScheduler) -> None:
+        self._template, self._dtype, self._scheduler = template, dtype, scheduler
+        self._free: list[tuple[torch.Tensor, StreamMark | None]] = []
+
+    def take(self, post: Posting | None = None) -> torch.Tensor:
         """A free tensor, or a new one (zeros: a K/V block that gets only some rows keeps
-        the others' values, which must be finite; a reused one holds earlier values)."""
-        if self._free:
-            return self._free.pop()
+        the others' values, which must be finite; a reused one holds earlier values);
+        ``post``: the posting it receives in (else the compute uses it)."""
+        if post is None:
+            if self._free:
+                tensor, mark = self._free.pop()
+                self._scheduler.compute_after(mark)
+                return tensor
+            return self._new()
+        for i, (tensor, mark) in enumerate(self._free):
+            if self._scheduler.reusable(mark):
+                del self._free[i]
+                post.after(mark)
+                return tensor
+        return post.made(self._new())
+
+    def give(self, tensor: torch.Tensor, post: Posting | None = None) -> None:
+        """Take ``tensor`` back once what is enqueued so far (on the compute stream, or in
+        ``post``) is done with it."""
+        where = post if post is not None else self._scheduler
+        self._free.append((tensor, where.mark("free", tensor)))
+
+    def _new(self) -> torch.Tensor:
         return torch.zeros(self._template.shape, dtype=self._dtype,
                            device=self._template.device)
-
-    def give(self, tensor: torch.Tensor) -> None:
-        self._free.append(tensor)
 
 
 class _OwnBlock:
@@ -416,14 +476,20 @@ class _RingAttention(torch.autograd.Function):
                         documents=documents, window=window,
                         plan=_plan(layout, rank, causal, documents, window),
                         transfers=_transfers(layout, causal, documents, window, every_block),
-                        every_block=every_block)
+                        every_block=every_block,
+                        row_index=_row_indices(layout, causal, documents, window, every_block,
+                                               rank, q.device))
         acc = accumulation_dtype(q.dtype)
         batch, seq, q_heads, head_dim = q.shape
         q_t = q.transpose(1, 2)
         # K and V travel together as one contiguous (2, B, kv_heads, S, D) buffer; the own
         # block is sent to every reader and kept for the backward.
         kv_own = torch.stack((k.transpose(1, 2), v.transpose(1, 2)))
-        kv_buffers = _Buffers(kv_own, kv_own.dtype)
+        scheduler = step_scheduler(q.device)
+        # Every step's send of the own block waits for this alone (on CUDA), not for the
+        # compute enqueued before its posting; the backward's sends wait for it too.
+        own_ready = scheduler.mark("own")
+        kv_buffers = _Buffers(kv_own, kv_own.dtype, scheduler)
         held = {rank: kv_own}  # K/V blocks on hand, by the rank they started on
         out = torch.zeros(batch, q_heads, seq, head_dim, dtype=acc, device=q.device)
         lse = torch.full((batch, q_heads, seq), float("-inf"), dtype=acc, device=q.device)
@@ -436,13 +502,17 @@ class _RingAttention(torch.autograd.Function):
             pending, incoming = None, None
             if step.exchange is not None:
                 exchange = step.exchange
-                send = ([(_rows_out(call, kv_own, rank, exchange.kv_to), exchange.kv_to,
-                          _KV_TAG)] if exchange.kv_to is not None else [])
-                if exchange.kv_from is not None:
-                    incoming, incoming_buffer = _rows_in_buffer(call, kv_buffers,
-                                                                exchange.kv_from, rank)
-                recv = [(incoming, exchange.kv_from, _KV_TAG)] if incoming is not None else []
-                pending = comm.post(send, recv)
+                with scheduler.posting() as post:
+                    send, recv = [], []
+                    if exchange.kv_to is not None:
+                        post.after(own_ready)
+                        send.append((_rows_out(call, kv_own, rank, exchange.kv_to, post),
+                                     exchange.kv_to, _KV_TAG))
+                    if exchange.kv_from is not None:
+                        incoming, incoming_buffer = _rows_in_buffer(
+                            call, kv_buffers, exchange.kv_from, rank, post)
+                        recv.append((incoming, exchange.kv_from, _KV_TAG))
+                    pending = post.exchange(comm, send, recv)
             timer.start_compute()
             if step.block is not None and not (own.spread and step.block == rank):
                 kv_block = held.pop(step.block) if step.block != rank else kv_own
@@ -466,7 +536,7 @@ class _RingAttention(torch.autograd.Function):
         result = out.to(q.dtype).transpose(1, 2).contiguous()
         last_source, kv_last = last if last is not None else (None, None)
         ctx.save_for_backward(q, result, lse, kv_own, kv_last)
-        ctx.call, ctx.last_source = call, last_source
+        ctx.call, ctx.last_source, ctx.own_ready = call, last_source, own_ready
         ctx.mark_non_differentiable(lse)
         kv_bytes = kv_own.numel() * kv_own.element_size()
         _record_call(call, "forward", kv_bytes, 0, sent_bytes)
@@ -482,10 +552,15 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros(q_t.shape, dtype=acc, device=q.device)
         # The own block's dK/dV: its own step adds into it, and every reader's sum comes back.
         dkv_own = torch.zeros(kv_own.shape, dtype=acc, device=q.device)
-        kv_buffers, dkv_buffers = _Buffers(kv_own, kv_own.dtype), _Buffers(kv_own, acc)
+        scheduler = step_scheduler(q.device)
+        own_ready = ctx.own_ready  # the forward's: the own block has not changed since
+        kv_buffers = _Buffers(kv_own, kv_own.dtype, scheduler)
+        dkv_buffers = _Buffers(kv_own, acc, scheduler)
         held = {ctx.last_source: kv_last} if ctx.last_source is not None else {}
-        done: dict[int, torch.Tensor] = {}  # dK/dV sums computed, not yet sent back
-        delta = softmax_delta(dout_t, out_t) if call.fused is not None else None  # once per call
+        # dK/dV sums computed, not yet sent back, each with the mark after its compute
+        done: dict[int, tuple[torch.Tensor, StreamMark | None]] = {}
+        # Once per call, by the fused backend's own kernel where it has one.
+        delta = backend_delta(call.fused, dout_t, out_t) if call.fused is not None else None
         sent_bytes = 0
         own = _OwnBlock(call, "backward")
 
@@ -494,26 +569,29 @@ class _RingAttention(torch.autograd.Function):
             pending, incoming, returning, dkv_incoming = None, None, None, None
             if step.exchange is not None:
                 exchange = step.exchange
-                send, recv = [], []
-                if exchange.kv_to is not None:
-                    send.append((_rows_out(call, kv_own, rank, exchange.kv_to),
-                                 exchange.kv_to, _KV_TAG))
-                if exchange.dkv_to is not None:
-                    returning = done.pop(exchange.dkv_to)
-                    rows = _rows_out(call, returning, exchange.dkv_to, rank)
-                    if rows is not returning:  # a copy of its rows: the sum is free again
-                        dkv_buffers.give(returning)
-                        returning = None
-                    send.append((rows, exchange.dkv_to, _DKV_TAG))
-                if exchange.kv_from is not None:
-                    incoming, incoming_buffer = _rows_in_buffer(call, kv_buffers,
-                                                                exchange.kv_from, rank)
-                    recv.append((incoming, exchange.kv_from, _KV_TAG))
-                if exchange.dkv_from is not None:
-                    dkv_incoming, dkv_buffer = _rows_in_buffer(call, dkv_buffers, rank,
-                                                               exchange.dkv_from)
-                    recv.append((dkv_incoming, exchange.dkv_from, _DKV_TAG))
-                pending = comm.post(send, recv)
+                with scheduler.posting() as post:
+                    send, recv = [], []
+                    if exchange.kv_to is not None:
+                        post.after(own_ready)
+                        send.append((_rows_out(call, kv_own, rank, exchange.kv_to, post),
+                                     exchange.kv_to, _KV_TAG))
+                    if exchange.dkv_to is not None:
+                        returning, sum_ready = done.pop(exchange.dkv_to)
+                        post.after(sum_ready)
+                        rows = _rows_out(call, returning, exchange.dkv_to, rank, post)
+                        if rows is not returning:  # a copy of its rows: the sum is free
+                            dkv_buffers.give(returning, post)  # once the copy is made
+                            returning = None
+                        send.append((rows, exchange.dkv_to, _DKV_TAG))
+                    if exchange.kv_from is not None:
+                        incoming, incoming_buffer = _rows_in_buffer(
+                            call, kv_buffers, exchange.kv_from, rank, post)
+                        recv.append((incoming, exchange.kv_from, _KV_TAG))
+                    if exchange.dkv_from is not None:
+                        dkv_incoming, dkv_buffer = _rows_in_buffer(
+                            call, dkv_buffers, rank, exchange.dkv_from, post)
+                        recv.append((dkv_incoming, exchange.dkv_from, _DKV_TAG))
+                    pending = post.exchange(comm, send, recv)
             timer.start_compute()
             if step.block == rank:  # the own block, last: its sum is dK/dV's accumulator
                 if not own.spread:
@@ -524,7 +602,7 @@ class _RingAttention(torch.autograd.Function):
                 partial = dkv_buffers.take().zero_()
                 _backward_block(call, step.block, dout_t, q_t, kv_block, out_t, lse, delta,
                                 dq, partial)
-                done[step.block] = partial
+                done[step.block] = (partial, scheduler.mark(f"sum {step.block}"))
                 if kv_block is not kv_last:  # a saved tensor stays as saved (retain_graph)
                     kv_buffers.give(kv_block)
             for unit in own.due(index):
@@ -546,7 +624,7 @@ class _RingAttention(torch.autograd.Function):
             if dkv_incoming is not None:
                 reader = step.exchange.dkv_from
                 if call.transfers.is_partial(rank, reader):  # only the rows it read
-                    dkv_own.index_add_(3, _index(call, rank, reader, q.device), dkv_incoming)
+                    dkv_own.index_add_(3, _index(call, rank, reader), dkv_incoming)
                 else:
                     dkv_own += dkv_incoming
                 dkv_buffers.give(dkv_buffer)

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from ringray.attention.comm import RingComm, agree_max
-from ringray.attention.groups import group_timeout, with_timeout
+from ringray.attention.groups import RING_DIM, group_timeout, with_timeout
 from ringray.attention.stats import IntervalTimer, RingStats
 
 
@@ -136,10 +136,12 @@ def grid_groups(ulysses: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     if ulysses < 1 or world % ulysses:
         raise ValueError(f"ulysses: {ulysses} does not divide the world of {world} ranks")
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    dims = ("ring", "ulysses")
+    dims = (RING_DIM, "ulysses")
+    # The ring's point-to-point traffic gets NCCL's high-priority stream (groups.py).
     mesh = init_device_mesh(device_type, (world // ulysses, ulysses), mesh_dim_names=dims,
-                            backend_override=with_timeout(dims, group_timeout()))
-    return mesh.get_group("ring"), mesh.get_group("ulysses")
+                            backend_override=with_timeout(dims, group_timeout(),
+                                                          high_priority=(RING_DIM,)))
+    return mesh.get_group(RING_DIM), mesh.get_group("ulysses")
 
 
 # ----------------------------------------------------------------- packing (pure, no comm)

@@ -69,13 +69,17 @@ def run_rank(rank: int, world_size: int, arguments: Sequence[str], *, init_metho
     import torch
     import torch.distributed as dist
 
+    from ringray.attention.groups import init_kwargs
     from ringray.harness.ring import Groups, serve, stop_followers, use_groups
 
+    device = None
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) %
-                              torch.cuda.device_count())
+        index = int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count()
+        device = torch.device("cuda", index)
+        torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=init_method, rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=idle_timeout_s))
+                            world_size=world_size, timeout=timedelta(seconds=idle_timeout_s),
+                            **init_kwargs(backend, device))
     try:
         work = dist.new_group(list(range(world_size)), timeout=timedelta(seconds=timeout_s))
         use_groups(Groups(work=work, control=None))

@@ -21,6 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ringray.attention.groups import init_kwargs
 from ringray.train.host_memory import release_freed_memory
 from ringray.train.options import TrainOptions
 from ringray.train.replicas import ReplicaMembership
@@ -29,15 +30,19 @@ from ringray.train.run_dir import keep_pretrained_files
 
 def _init_distributed(timeout_seconds: float) -> None:
     """Join the process group torchrun describes in the environment (if any); every
-    collective fails after ``timeout_seconds`` (the job file's, as on Ray)."""
+    collective fails after ``timeout_seconds`` (the job file's, as on Ray). On CUDA the
+    group is bound to this rank's device (:func:`~ringray.attention.groups.init_kwargs`)."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
         return
+    device = None
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
         backend = "nccl"
     else:
         backend = "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_seconds))
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_seconds),
+                            **init_kwargs(backend, device))
 
 
 LIGHTHOUSE_VARIABLE = "TORCHFT_LIGHTHOUSE"

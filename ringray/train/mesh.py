@@ -8,7 +8,8 @@ One ``DeviceMesh`` with named dimensions ``("dp", "ring", "ulysses")`` holds eve
 rank uses: the ring, the Ulysses group and the data-parallel group are its dimensions, the
 ``cp`` group (ring × ulysses) and FSDP's mesh (every dimension) are flattened from it. Every
 group gets the default group's timeout, the job's collective timeout (``init_device_mesh``
-would give each the backend's default; :mod:`ringray.attention.groups`).
+would give each the backend's default; :mod:`ringray.attention.groups`), and the ring's group
+(the ``ring`` dimension, which carries the K/V exchange) NCCL's high-priority stream.
 
 Ranks are laid out as ``arange(world).view(dp, ring, ulysses)``: global rank = dp_index × cp
 + ring_index × ulysses + ulysses_index, with cp = ring × ulysses. The ``cp`` ranks of one
@@ -30,7 +31,14 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ringray.attention.groups import backend_options, group_timeout, with_timeout
+from ringray.attention.groups import (
+    RING_DIM,
+    GroupOptions,
+    backend_options,
+    group_timeout,
+    mesh_group_options,
+    mesh_override,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,12 +116,20 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
-MESH_DIMS = ("dp", "ring", "ulysses")
+MESH_DIMS = ("dp", RING_DIM, "ulysses")
 """The named dimensions of the job's device mesh, outermost first (rank-major order)."""
 CP_DIM = "cp"
 """The flattened ring × ulysses dimension: every rank of this rank's sequences."""
 FSDP_DIM = "dp_shard_cp"
 """The flattened dp × cp dimension FSDP shards over (:mod:`ringray.train.sharding`)."""
+
+
+def mesh_options(timeout: timedelta | None,
+                 backend: str | None = None) -> dict[str, GroupOptions] | None:
+    """What each dimension's groups are made with: ``timeout`` (the default group's) for
+    every one, NCCL's high-priority stream for the ring's alone (``None`` in a simulation,
+    where there is no timeout to carry)."""
+    return mesh_group_options(MESH_DIMS, timeout, backend, high_priority=(RING_DIM,))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,16 +180,16 @@ def build_mesh(shape: MeshShape, *, device_type: str = "cpu") -> Mesh:
     override = backend_options(timeout)
     device_mesh = init_device_mesh(
         device_type, (shape.dp, shape.ring, shape.ulysses), mesh_dim_names=MESH_DIMS,
-        backend_override=with_timeout(MESH_DIMS, timeout))
-    cp_mesh = (device_mesh["ring"] if shape.ulysses == 1
-               else device_mesh["ring", "ulysses"]._flatten(CP_DIM, backend_override=override))
+        backend_override=mesh_override(mesh_options(timeout)))
+    cp_mesh = (device_mesh[RING_DIM] if shape.ulysses == 1
+               else device_mesh[RING_DIM, "ulysses"]._flatten(CP_DIM, backend_override=override))
     fsdp_mesh = device_mesh[MESH_DIMS]._flatten(FSDP_DIM, backend_override=override)
     dp_rank, cp_rank = shape.coords(rank)
     cp_group = cp_mesh.get_group()
     return Mesh(
         shape=shape, rank=rank, dp_rank=dp_rank, cp_rank=cp_rank,
         cp_group=cp_group, dp_group=device_mesh.get_group("dp"),
-        ring_group=device_mesh.get_group("ring") if shape.ulysses > 1 else cp_group,
+        ring_group=device_mesh.get_group(RING_DIM) if shape.ulysses > 1 else cp_group,
         ulysses_group=device_mesh.get_group("ulysses") if shape.ulysses > 1 else None,
         device_mesh=device_mesh, fsdp_mesh=fsdp_mesh, timeout=timeout,
     )
