@@ -19,7 +19,6 @@ from typer.testing import CliRunner
 
 from ringray.attention import make_layout
 from ringray.capacity import (
-    ACCELERATORS,
     GIB,
     PlanError,
     PlanInputs,
@@ -87,14 +86,15 @@ def test_hand_computed_small_case():
     Ring buffers per token (a ring of 4): backward 2 received K/V blocks and the own block's
       rows gathered for a reader, 3*(2*2*32)*2 = 768, four fp32 dK/dV sums 4*(2*2*32)*4 =
       2048, fp32 dQ 4*8*32 = 1024, dq/dk/dv cast back to bf16 (8*32 + 2*2*32)*2 = 768 ->
-      4608; x 4096 = 18_874_368 B.
+      4608. On a GPU (the plan's device) receives may run a step ahead of the compute, one
+      more buffer in each pool: 4*256 + 5*512 + 1024 + 768 = 5376; x 4096 = 22_020_096 B.
     Parameters: per layer 256*32*(16+4) + 3*256*512 + 2*256 = 557_568; x4 + 256 + 2*320*256
       = 2_394_368; matmul ones (bf16 copies) 4*(163_840 + 393_216) + 320*256 = 2_310_144.
       weights 4*2_394_368 + 2*2_310_144 = 14_197_760; grads 9_577_472; AdamW 19_154_944.
     Peak, at the backward's start (every activation; of the gradients only the root's 164_096
     and one block's 557_568 parameters', 4 B each: 2_886_656; the ring's buffers, larger
-    than the loss chunk): 14_197_760 + 19_154_944 + 2_886_656 + 213_598_208 + 18_874_368 =
-    268_711_936 B. (At its end: all 9_577_472 B of
+    than the loss chunk): 14_197_760 + 19_154_944 + 2_886_656 + 213_598_208 + 22_020_096 =
+    271_857_664 B. (At its end: all 9_577_472 B of
     gradients, one block's 4096 x 12328 B of activations and the ring buffers, 78_947_328
     B, less. Without checkpointing the backward's working set is the ring's buffers.)
     Overlap: F/B = 1e14 / 12.5e9 = 8000 FLOP/B; forward 8000 * k a / (2 r h) with r = 1/2:
@@ -109,19 +109,20 @@ def test_hand_computed_small_case():
     assert layer_activation_bytes_per_token(cfg, bf16=True, ring=4) == 12328
     assert activation_bytes_per_token(cfg, bf16=True, checkpointing="none", ring=4) == 52148
     assert ring_buffer_bytes_per_token(cfg, cp=4, bf16=True) == 4608
+    assert ring_buffer_bytes_per_token(cfg, cp=4, bf16=True, cuda=True) == 5376
     assert cfg.num_params() == 2_394_368
 
     cluster = custom_cluster(tflops=100, link_gbps=100, memory_gib=16)
-    memory = memory_breakdown(inputs, cluster.accelerator)
+    memory = memory_breakdown(inputs, cluster)
     assert memory.activations_bytes == 213_598_208
-    assert memory.ring_buffers_bytes == 18_874_368
+    assert memory.ring_buffers_bytes == 22_020_096
     assert memory.loss_chunk_bytes == 15_728_640
     assert (memory.weights_bytes, memory.gradients_bytes, memory.optimizer_bytes) == (
         14_197_760, 9_577_472, 19_154_944)
     assert memory.first_gradients_bytes == 2_886_656
     assert memory.last_block_kept_bytes == 4096 * 12328
     assert memory.backward_working_bytes == memory.ring_buffers_bytes  # nothing recomputed
-    assert memory.peak_bytes == 268_711_936 and memory.peak_moment == "backward start"
+    assert memory.peak_bytes == 271_857_664 and memory.peak_moment == "backward start"
     assert memory.usable_bytes == int(16 * GIB * 0.9) and memory.fits
 
     forward, backward = overlap_threshold_tokens(
@@ -154,16 +155,16 @@ def test_selective_checkpointing_keeps_the_ring_tensors_and_recomputes_one_regio
 
 def test_backward_working_set_per_checkpointing_mode():
     """What a block's backward adds to the kept activations (4096 local tokens, ring buffers
-    4608 B/token; cp 4, so a block on the ring is 12328 and its ring part 1568): none, the
-    ring buffers; full, the larger of the whole recomputed block (12328) and what stays of
-    it through the ring's backward (before the ring 3588 + the ring's saved 1568) plus the
-    buffers: max(12328, 9508) = 12328; selective, whose two
+    5376 B/token on a GPU; cp 4, so a block on the ring is 12328 and its ring part 1568):
+    none, the ring buffers; full, the larger of the whole recomputed block (12328) and what
+    stays of it through the ring's backward (before the ring 3588 + the ring's saved 1568)
+    plus the buffers: max(12328, 10532) = 12328; selective, whose two
     regions are rebuilt before and after the ring's backward, not during it: max(7172,
-    3588, 4608) = 7172."""
-    device = ACCELERATORS["H100"]
-    working = {mode: memory_breakdown(small_inputs(activation_checkpointing=mode), device)
+    3588, 5376) = 7172."""
+    cluster = parse_cluster("1x8xH100")
+    working = {mode: memory_breakdown(small_inputs(activation_checkpointing=mode), cluster)
                .backward_working_bytes for mode in ("none", "full", "selective")}
-    assert working == {"none": 4096 * 4608, "full": 4096 * 12328, "selective": 4096 * 7172}
+    assert working == {"none": 4096 * 5376, "full": 4096 * 12328, "selective": 4096 * 7172}
 
 
 def test_fsdp_divides_the_static_memory_and_adds_gathered_blocks():
@@ -175,23 +176,24 @@ def test_fsdp_divides_the_static_memory_and_adds_gathered_blocks():
     = 188_432_384. Gathered (w = 2): the root (two 320 x
     256 tables and the final norm: 164_096) twice (weights, gradients), 656_384, plus one
     block's 557_568 x (2*2 + max(2, 4)) = 4_460_544. Peak, at the backward's start (the
-    first gradients: 4 x 721_664 / 4 = 721_664; the ring's buffers, 4096 x 4608 =
-    18_874_368, larger than the loss chunk): 2_394_368 + 4_788_736 + 721_664 + 188_432_384
-    + 18_874_368 + 5_116_928 = 220_328_448 B."""
+    first gradients: 4 x 721_664 / 4 = 721_664; the ring's buffers on a GPU, 4096 x 5376 =
+    22_020_096, larger than the loss chunk): 2_394_368 + 4_788_736 + 721_664 + 188_432_384
+    + 22_020_096 + 5_116_928 = 223_474_176 B."""
     inputs = small_inputs(fsdp=True)
     cfg = inputs.model
     assert layer_activation_bytes_per_token(cfg, bf16=True, bf16_weights=True) == 10536
     assert gathered_bytes(cfg, bf16=True) == 5_116_928
     memory = memory_breakdown(inputs, custom_cluster(tflops=100, link_gbps=100,
-                                                     memory_gib=16).accelerator)
+                                                     memory_gib=16))
     assert (memory.weights_bytes, memory.gradients_bytes, memory.optimizer_bytes) == (
         2_394_368, 2_394_368, 4_788_736)
     assert memory.activations_bytes == 188_432_384
     assert memory.gathered_bytes == 5_116_928
-    assert memory.peak_bytes == 220_328_448
+    assert memory.peak_bytes == 223_474_176
     # One device shards nothing: FSDP is then the replicated run (autocast, no gathering).
-    alone = memory_breakdown(small_inputs(fsdp=True, cp=1), ACCELERATORS["H100"])
-    assert alone == memory_breakdown(small_inputs(cp=1), ACCELERATORS["H100"])
+    h100 = parse_cluster("1x8xH100")
+    alone = memory_breakdown(small_inputs(fsdp=True, cp=1), h100)
+    assert alone == memory_breakdown(small_inputs(cp=1), h100)
 
 
 def test_multi_head_causal_threshold_is_twice_f_over_b():
@@ -290,7 +292,9 @@ def test_1b_job_fits_one_h100_node():
     + the head's 21012; recomputed: 86020 -> 371224 B/token x 131072 tokens = 45.32 GiB.
     Overlap on NVLink (450 GB/s one way): F/B = 989e12 / 450e9 = 2197.8;
     backward 2197.8 * 8 * 6 / (5 * 0.5 * 32) = 1318.7 -> 1319 tokens, far below the
-    16384-token block."""
+    16384-token block. Beside PyTorch's 47.16 GiB peak, NCCL's buffers: the zigzag ring's 7
+    peers both ways x 32 channels x (10 + 2) MiB = 2.62 GiB and the FSDP communicator's 32
+    channels x 12 MiB = 0.38 GiB (tests/test_plan_comm_memory.py): 50.2 GiB."""
     report = _plan(load_job_spec(JOB_1B), parse_cluster("1x8xH100"))
     cfg, inputs = report.inputs.model, report.inputs
     assert (inputs.fsdp, inputs.activation_checkpointing, inputs.shards()) == (
@@ -305,14 +309,18 @@ def test_1b_job_fits_one_h100_node():
     assert report.overlap.threshold_tokens == 1319
     assert math.ceil(report.overlap.forward_threshold_tokens) == 1099
     assert report.overlap.block_tokens == 16384 and report.overlap.hidden
-    assert report.fits and report.verdict.startswith("fits: 47.2 GiB of 72.0 GiB")
+    assert report.memory.peak_bytes / GIB == pytest.approx(47.16, abs=0.005)
+    assert report.memory.comm.total_bytes == (7 + 1) * 32 * 12 * 2**20
+    assert report.fits and report.verdict.startswith("fits: 50.2 GiB of 72.0 GiB")
     # cp 4 would hold twice the activations (83 GiB) and does not fit: 8 is the smallest.
-    assert not memory_breakdown(report.inputs, ACCELERATORS["H100"], cp=4).fits
+    assert not memory_breakdown(report.inputs, parse_cluster("1x8xH100"), cp=4).fits
     assert report.recommended_cp == 8 and report.recommended_layout == "zigzag"
-    # The job as it was (replicated, full checkpointing): 47.5 GiB.
+    # The job as it was (replicated, full checkpointing): 47.5 GiB, and the ring's 2.6 GiB
+    # of NCCL buffers (no FSDP communicator).
     replicated = plan(replace(inputs, fsdp=False, activation_checkpointing="full"),
                       parse_cluster("1x8xH100"))
-    assert replicated.verdict.startswith("fits: 47.5 GiB of 72.0 GiB")
+    assert replicated.memory.peak_bytes / GIB == pytest.approx(47.5, abs=0.05)
+    assert replicated.verdict.startswith("fits: 50.1 GiB of 72.0 GiB")
 
 
 def test_8b_job_fits_with_fsdp_and_selective_checkpointing():
@@ -325,7 +333,10 @@ def test_8b_job_fits_with_fsdp_and_selective_checkpointing():
     with the last K/V block received, 2*2*8*128 = 4096) and recomputes 155652: 1250328
     B/token x 32768 tokens = 38.16 GiB, whose recomputed region (4.75 GiB) is rebuilt
     apart from the ring's 1.50 GiB of buffers; the gathered bf16 weights and gradients of
-    the root and about two blocks 1.63 GiB -> 41.0 GiB of 72.0."""
+    the root and about two blocks 1.63 GiB -> 41.0 GiB of 72.0. NCCL's buffers, over 4 nodes
+    (2 channels a peer, 16 collective and P2P channels): the ring's 7 peers on the node x 2
+    x (10 + 2) MiB + the network's two shared pools of 16 x 16 x 128 KiB = 232 MiB, the FSDP
+    communicator 16 x 12 MiB = 192 MiB: 41.4 GiB in all."""
     report = _plan(load_job_spec(JOB_8B), parse_cluster("8x8xH100"))
     inputs, cfg = report.inputs, report.inputs.model
     assert (inputs.fsdp, inputs.activation_checkpointing, inputs.shards()) == (
@@ -338,7 +349,10 @@ def test_8b_job_fits_with_fsdp_and_selective_checkpointing():
     assert report.memory.activations_bytes == 32768 * 1250328
     assert report.memory.activations_bytes == 32768 * activation_bytes_per_token(
         cfg, bf16=True, checkpointing="selective", bf16_weights=True, ring=32)
-    assert report.fits and report.verdict == "fits: 41.0 GiB of 72.0 GiB usable per device"
+    assert report.memory.peak_bytes / GIB == pytest.approx(41.0, abs=0.05)
+    assert (report.memory.comm.ring_bytes, report.memory.comm.fsdp_bytes) == (
+        232 * 2**20, 192 * 2**20)
+    assert report.fits and report.verdict == "fits: 41.4 GiB of 72.0 GiB usable per device"
     assert report.recommended_cp == 32
 
     replicated = plan(replace(inputs, fsdp=False, activation_checkpointing="full"),
@@ -347,10 +361,10 @@ def test_8b_job_fits_with_fsdp_and_selective_checkpointing():
     assert replicated.memory.static_bytes >= 16 * cfg.num_params()
     assert not replicated.fits and replicated.recommended_cp is None
     assert "45.0 GiB over" in replicated.verdict and "so no cp helps" in replicated.verdict
-    assert replicated.verdict.endswith("; lower peaks: parallel.fsdp: true 18.9 GiB")
+    assert replicated.verdict.endswith("; lower peaks: parallel.fsdp: true 19.3 GiB")
     unsharded = plan(replace(inputs, fsdp=False), parse_cluster("8x8xH100"))  # selective
     assert unsharded.verdict.endswith(
-        "; lower peaks: parallel.fsdp: true 41.0 GiB, + full checkpointing 18.9 GiB")
+        "; lower peaks: parallel.fsdp: true 41.4 GiB, + full checkpointing 19.3 GiB")
 
 
 def test_cluster_size_and_inferred_cp():
@@ -398,7 +412,7 @@ def test_plan_text_and_exit_code_one_when_it_does_not_fit():
                                       "--set", "parallel.fsdp=false"])
     assert result.exit_code == 1 and "recommended: no cp fits" in result.stdout
     result = CliRunner().invoke(app, ["plan", JOB_8B, "--cluster", "8x8xH100"])
-    assert result.exit_code == 0 and "verdict: fits: 41.0 GiB" in result.stdout
+    assert result.exit_code == 0 and "verdict: fits: 41.4 GiB" in result.stdout
     result = CliRunner().invoke(app, ["plan", JOB_1B, "--cluster", "1x8xH100"])
     assert result.exit_code == 0 and "verdict: fits" in result.stdout
 
@@ -505,7 +519,7 @@ def test_ulysses_memory_terms():
     # A ring of one (cp 4 = ulysses 4): no incoming block or spares; the all-to-all's four
     # copies of (8 + 2 x 2 x 2) heads x 32 x 2 = 4096 are the larger.
     assert ring_buffer_bytes_per_token(cfg, cp=4, bf16=True, ulysses=4) == 4096
-    with_ulysses = memory_breakdown(small_inputs(ulysses=2), ACCELERATORS["H100"])
+    with_ulysses = memory_breakdown(small_inputs(ulysses=2), parse_cluster("1x8xH100"))
     assert with_ulysses.ring_buffers_bytes == 4096 * 3840
 
 
@@ -572,7 +586,7 @@ def test_a_worker_is_refused_when_its_planned_peak_exceeds_its_share_of_the_node
                             check_paths=False).train_options()
     share = WorkerShare(node="this host's available memory", node_bytes=64 * GIB, workers=4)
     refusal = check_worker_memory(options, dp=1, cp=4, on_gpu=False, share=share)
-    inputs = PlanInputs.of_mesh(options, dp=1, cp=4, name="q", bf16=False)
+    inputs = PlanInputs.of_mesh(options, dp=1, cp=4, name="q", bf16=False, foreach=False)
     peak = plan_footprint(inputs).peak_bytes
     assert refusal is not None and peak > 100 * GIB
     assert f"one worker needs about {peak / GIB:.1f} GiB" in refusal

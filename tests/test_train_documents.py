@@ -18,7 +18,7 @@ of 2 × cp (asserted, not assumed):
 - **CP = N equals CP = 1.** CP=4 with documents (``parallel.layout: auto``, i.e. balanced,
   and zigzag) gives the CP=1 losses and summed, clipped gradients of each of 3 AdamW steps
   (1e-5) and its final weights (1e-4: AdamW amplifies tiny gradient differences, see
-  WEIGHT_TOL); dp 2 × cp 2 (replicated, and FSDP with one reduce-scatter per step) gives
+  WEIGHT_TOL); dp 2 × cp 2 (replicated, and FSDP, reduce-scattering every row) gives
   those of dp 1 × cp 1 on the same 4-row global batch.
 - **Bad combinations** are refused in one line naming the field, before any training.
 
@@ -251,13 +251,14 @@ def test_dp2_cp2_equals_one_device(tmp_path_factory, corpus: str, fsdp: bool) ->
         _assert_same_training(rank_runs[3 if fsdp else 2], want)
 
 
-def test_fsdp_reduces_once_per_step_not_per_row(tmp_path_factory, corpus: str) -> None:
-    """Under FSDP the rows of a step accumulate unsharded gradients and only the last row's
-    backward reduce-scatters: one per FSDP unit (each block and the root) per step, not one
-    per row; the replicated runs issue none."""
+def test_fsdp_reduces_every_row(tmp_path_factory, corpus: str) -> None:
+    """Under FSDP every row's backward reduce-scatters into the gradient shards: one per FSDP
+    unit (each block and the root) per row, 2 rows per rank (global batch 4 over dp 2), so
+    no rank ever holds the unsharded float32 gradients the plan does not count; the
+    replicated runs issue none."""
     units = TINY_MODEL.n_layers + 1
     for rank_runs in _world4(tmp_path_factory, corpus):
-        assert [run["reduce_scatters"] for run in rank_runs] == [0, 0, 0, STEPS * units, 0]
+        assert [run["reduce_scatters"] for run in rank_runs] == [0, 0, 0, STEPS * units * 2, 0]
 
 
 def test_documents_train(tmp_path_factory, corpus: str) -> None:

@@ -13,7 +13,9 @@ imported from here:
 - **Memory**: what one rank of this project's trainer holds, term by term, is
   :mod:`ringray.train.footprint` (weights, gradients and AdamW state, replicated or sharded
   by FSDP; activations per checkpointing mode; ring buffers; FSDP's gathered blocks; the
-  peak over the step); :func:`memory_breakdown` puts it against a device.
+  peak over the step); :func:`memory_breakdown` puts it against a device, with NCCL's own
+  buffers beside it (:mod:`.nccl`: the ring's point-to-point connections, the FSDP
+  communicator, Ulysses' all-to-all), which PyTorch's allocator never sees.
 - **Overlap**: :func:`overlap_threshold_tokens` (the ``c >= F/B`` rule, derived there).
 - **Ulysses × ring** (``parallel.ulysses``): the all-to-alls' traffic
   (:func:`a2a_bytes_per_layer`) on a node's links against the ring's on its slowest link,
@@ -23,8 +25,8 @@ imported from here:
   job fits its node's memory, which `ringray train` asks before it starts anything.
 
 A planning margin (:data:`MEMORY_RESERVE_RATIO` of device memory) is kept for the CUDA
-context, NCCL's buffers, kernel workspaces and allocator fragmentation, which the terms above
-do not count. It is a judgement, not a measurement.
+context, the default process group's NCCL communicator, kernel workspaces and allocator
+fragmentation, which the terms above do not count. It is a judgement, not a measurement.
 """
 
 from ringray.accelerators import (
@@ -46,6 +48,13 @@ from ringray.capacity.fit import (
     plan_footprint,
 )
 from ringray.capacity.inputs import PlanInputs
+from ringray.capacity.nccl import (
+    CommBuffers,
+    NcclChannels,
+    comm_buffers,
+    nccl_channels,
+    transfer_peers,
+)
 from ringray.capacity.report import PlanReport, plan, plan_job, recommend_cp
 from ringray.capacity.ulysses import (
     ULYSSES_RULE,
@@ -71,12 +80,15 @@ from ringray.train.footprint import (  # the formulas, re-exported for callers
 
 __all__ = [
     "ACCELERATORS", "GIB", "MEMORY_RESERVE_RATIO", "ULYSSES_RULE", "Accelerator", "ClusterShape",
-    "Footprint", "MemoryBreakdown", "OverlapCheck", "PlanError", "PlanInputs", "PlanReport",
-    "UlyssesOption", "WorkerShare", "a2a_bytes_per_layer", "a2a_link",
-    "activation_bytes_per_token", "check_worker_memory", "custom_cluster", "gathered_bytes",
+    "CommBuffers", "Footprint", "MemoryBreakdown", "NcclChannels", "OverlapCheck", "PlanError",
+    "PlanInputs", "PlanReport", "UlyssesOption", "WorkerShare", "a2a_bytes_per_layer",
+    "a2a_link", "activation_bytes_per_token", "check_worker_memory", "comm_buffers",
+    "custom_cluster", "gathered_bytes",
     "head_activation_bytes_per_token", "kept_activation_bytes_per_token", "kv_repeat",
     "layer_activation_bytes_per_token",
-    "memory_breakdown", "overlap_check", "overlap_threshold_tokens", "parse_cluster", "plan",
+    "memory_breakdown", "nccl_channels", "overlap_check", "overlap_threshold_tokens",
+    "parse_cluster", "plan",
     "plan_footprint", "plan_job", "rank_footprint", "recommend_cp", "recommend_ulysses",
-    "recompute_bytes_per_token", "ring_buffer_bytes_per_token", "runs_bf16", "ulysses_options",
+    "recompute_bytes_per_token", "ring_buffer_bytes_per_token", "runs_bf16", "transfer_peers",
+    "ulysses_options",
 ]

@@ -1,15 +1,16 @@
 """One configuration against one device and link: per-device memory
-(:func:`memory_breakdown`, over :mod:`ringray.train.footprint`) and whether a ring step hides
-its transfer (:func:`overlap_threshold_tokens`, the ``c >= F/B`` rule, and
-:func:`overlap_check`)."""
+(:func:`memory_breakdown`, over :mod:`ringray.train.footprint`, and NCCL's buffers beside it,
+:mod:`ringray.capacity.nccl`) and whether a ring step hides its transfer
+(:func:`overlap_threshold_tokens`, the ``c >= F/B`` rule, and :func:`overlap_check`)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
 
-from ringray.accelerators import Accelerator, ClusterShape
+from ringray.accelerators import ClusterShape
 from ringray.capacity.inputs import PlanInputs
+from ringray.capacity.nccl import CommBuffers, comm_buffers
 from ringray.model import ModelConfig
 from ringray.train.footprint import Footprint, kv_repeat, rank_footprint
 from ringray.train.memory_check import MEMORY_RESERVE_RATIO as MEMORY_RESERVE_RATIO
@@ -59,13 +60,21 @@ def overlap_threshold_tokens(
 
 @dataclass(frozen=True, kw_only=True)
 class MemoryBreakdown(Footprint):
-    """One device's :class:`~ringray.train.footprint.Footprint` and what it may use."""
+    """One device's :class:`~ringray.train.footprint.Footprint` (PyTorch's allocations),
+    NCCL's buffers beside it (:class:`~ringray.capacity.nccl.CommBuffers`, outside
+    PyTorch's caching allocator), and what the device may use."""
 
     usable_bytes: int
+    comm: CommBuffers
+
+    @property
+    def device_bytes(self) -> int:
+        """What the device holds at the step's peak: PyTorch's peak and NCCL's buffers."""
+        return self.peak_bytes + self.comm.total_bytes
 
     @property
     def fits(self) -> bool:
-        return self.peak_bytes <= self.usable_bytes
+        return self.device_bytes <= self.usable_bytes
 
 
 def plan_footprint(inputs: PlanInputs, *, cp: int | None = None,
@@ -82,12 +91,14 @@ def plan_footprint(inputs: PlanInputs, *, cp: int | None = None,
         ranks=inputs.dp * cp, foreach=inputs.foreach)
 
 
-def memory_breakdown(inputs: PlanInputs, device: Accelerator, *, cp: int | None = None,
+def memory_breakdown(inputs: PlanInputs, cluster: ClusterShape, *, cp: int | None = None,
                      ulysses: int | None = None) -> MemoryBreakdown:
-    """Per-device memory of ``inputs`` on ``device`` (at ``cp`` ranks per sequence as ring ×
-    ``ulysses``; default the job's cp, and its ulysses at its own cp, else 1)."""
+    """Per-device memory of ``inputs`` on ``cluster``'s devices (at ``cp`` ranks per sequence
+    as ring × ``ulysses``; default the job's cp, and its ulysses at its own cp, else 1)."""
     footprint = plan_footprint(inputs, cp=cp, ulysses=ulysses)
-    return MemoryBreakdown(**asdict(footprint), usable_bytes=usable_bytes(device.memory_bytes))
+    return MemoryBreakdown(**asdict(footprint),
+                           usable_bytes=usable_bytes(cluster.accelerator.memory_bytes),
+                           comm=comm_buffers(inputs, cluster, cp=cp, ulysses=ulysses))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -72,8 +72,8 @@ class PlanReport:
     def verdict(self) -> str:
         if self.fits:
             mem = self.memory
-            return (f"fits: {mem.peak_bytes / GIB:.1f} GiB of {mem.usable_bytes / GIB:.1f} GiB "
-                    f"usable per device")
+            return (f"fits: {mem.device_bytes / GIB:.1f} GiB of {mem.usable_bytes / GIB:.1f} "
+                    f"GiB usable per device")
         return "does not fit: " + "; ".join(self.reasons)
 
     def to_dict(self) -> dict:
@@ -85,7 +85,9 @@ class PlanReport:
             "cluster": {"description": self.cluster.describe(), "nodes": self.cluster.nodes,
                         "gpus_per_node": self.cluster.gpus_per_node,
                         **asdict(self.cluster.accelerator)},
-            "memory": {**asdict(self.memory), "static_bytes": self.memory.static_bytes},
+            "memory": {**asdict(self.memory), "static_bytes": self.memory.static_bytes,
+                       "nccl_bytes": self.memory.comm.total_bytes,
+                       "device_bytes": self.memory.device_bytes},
             "overlap": {**asdict(self.overlap), "threshold_tokens": self.overlap.threshold_tokens,
                         "hidden": self.overlap.hidden},
             "ulysses": [{**asdict(option), "exposed_seconds": option.exposed_seconds}
@@ -167,12 +169,29 @@ class PlanReport:
             *([("FSDP gathered weights and gradients", m.gathered_bytes)] if shards > 1 else []),
             ("step transient (after backward)", m.step_transient_bytes),
             (f"peak (at the {m.peak_moment})", m.peak_bytes),
+            *self._nccl_rows(),
             (f"usable ({acc.memory_bytes / GIB:g} GiB less {MEMORY_RESERVE_RATIO:.0%} reserve)",
              m.usable_bytes),
         ]
         return [f"{'memory per device':<46}{'GiB':>7}"] + [
             f"  {label:<44}{value / GIB:>7.2f}" for label, value in rows
         ]
+
+    def _nccl_rows(self) -> list[tuple[str, int]]:
+        """NCCL's buffers (outside PyTorch's allocator, :mod:`ringray.capacity.nccl`) and
+        the device's total; none for a job that opens no NCCL connection of its own."""
+        m, comm = self.memory, self.memory.comm
+        rows = []
+        if comm.ring_bytes:
+            rows.append((f"NCCL ring P2P ({comm.ring_peers} peers x {comm.ring_channels} "
+                         f"channels)", comm.ring_bytes))
+        if comm.ulysses_bytes:
+            rows.append((f"NCCL all-to-all ({comm.ulysses_peers} peers x "
+                         f"{comm.ulysses_channels} channels)", comm.ulysses_bytes))
+        if comm.fsdp_bytes:
+            rows.append((f"NCCL FSDP communicator ({comm.fsdp_channels} channels)",
+                         comm.fsdp_bytes))
+        return [*rows, ("per device (peak + NCCL buffers)", m.device_bytes)] if rows else []
 
     def _overlap_lines(self) -> list[str]:
         o, layout = self.overlap, self.inputs.layout
@@ -278,7 +297,7 @@ def recommend_cp(inputs: PlanInputs, cluster: ClusterShape, layout: str) -> int 
     still the best choice, with communication exposed. None when no cp fits. (Plain rings:
     the Ulysses degree is recommended at the job's cp, :func:`recommend_ulysses`.)"""
     fitting = [cp for cp in _candidate_cps(inputs, cluster, layout)
-               if memory_breakdown(inputs, cluster.accelerator, cp=cp, ulysses=1).fits]
+               if memory_breakdown(inputs, cluster, cp=cp, ulysses=1).fits]
     hidden = [cp for cp in fitting
               if overlap_check(inputs, cluster, cp=cp, ulysses=1).hidden]
     return (hidden or fitting or [None])[0]
@@ -286,7 +305,7 @@ def recommend_cp(inputs: PlanInputs, cluster: ClusterShape, layout: str) -> int 
 
 def plan(inputs: PlanInputs, cluster: ClusterShape) -> PlanReport:
     """Memory, overlap, recommendation and verdict of ``inputs`` on ``cluster``."""
-    memory = memory_breakdown(inputs, cluster.accelerator)
+    memory = memory_breakdown(inputs, cluster)
     devices_needed = inputs.dp * inputs.cp
     reasons = []
     if cluster.total_devices is not None and devices_needed > cluster.total_devices:
@@ -300,10 +319,12 @@ def plan(inputs: PlanInputs, cluster: ClusterShape) -> PlanReport:
             f"per device, {(memory.static_bytes - memory.usable_bytes) / GIB:.1f} GiB over the "
             f"{memory.usable_bytes / GIB:.1f} GiB usable ({where}){_remedies(inputs, cluster)}")
     elif not memory.fits:
-        over = memory.peak_bytes - memory.usable_bytes
+        over = memory.device_bytes - memory.usable_bytes
+        nccl = (f" (peak {memory.peak_bytes / GIB:.1f} + NCCL buffers "
+                f"{memory.comm.total_bytes / GIB:.1f})" if memory.comm.total_bytes else "")
         reasons.append(
-            f"peak {memory.peak_bytes / GIB:.1f} GiB per device is {over / GIB:.1f} GiB over "
-            f"the {memory.usable_bytes / GIB:.1f} GiB usable: activations take "
+            f"{memory.device_bytes / GIB:.1f} GiB per device{nccl} is {over / GIB:.1f} GiB "
+            f"over the {memory.usable_bytes / GIB:.1f} GiB usable: activations take "
             f"{memory.activations_bytes / GIB:.1f} GiB at {inputs.block_tokens} tokens per rank"
             f"{_remedies(inputs, cluster)}")
     grids = ulysses_options(inputs, cluster)
@@ -366,7 +387,7 @@ def _remedies(inputs: PlanInputs, cluster: ClusterShape) -> str:
     hints, applied = [], {}
     for label, change in changes:
         applied.update(change)
-        peak = memory_breakdown(replace(inputs, **applied), cluster.accelerator).peak_bytes
+        peak = memory_breakdown(replace(inputs, **applied), cluster).device_bytes
         hints.append(f"{'+ ' if hints else ''}{label} {peak / GIB:.1f} GiB")
     return f"; lower peaks: {', '.join(hints)}" if hints else ""
 

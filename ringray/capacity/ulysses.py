@@ -53,7 +53,7 @@ class UlyssesOption:
     ring_transfer_seconds: float | None = None  # per step
     ring_exposed_seconds: float | None = None  # per step: what the ring's compute leaves
     ring_hidden: bool | None = None  # every ring step's transfer fits under its compute
-    peak_bytes: int | None = None
+    peak_bytes: int | None = None  # the device at its peak, NCCL's buffers included
 
     @property
     def exposed_seconds(self) -> float | None:
@@ -88,16 +88,16 @@ def ulysses_options(inputs: PlanInputs, cluster: ClusterShape) -> tuple[UlyssesO
         forward, backward = a2a_bytes_per_layer(cfg, local_tokens=local_tokens,
                                                 ulysses=ulysses, bf16=inputs.bf16)
         ring = overlap_check(inputs, cluster, cp=cp, ulysses=ulysses)
-        memory = memory_breakdown(inputs, cluster.accelerator, cp=cp, ulysses=ulysses)
+        memory = memory_breakdown(inputs, cluster, cp=cp, ulysses=ulysses)
         if refused is None and not memory.fits:
-            refused = (f"peak {memory.peak_bytes / GIB:.1f} GiB over the "
-                       f"{memory.usable_bytes / GIB:.1f} GiB usable")
+            refused = (f"peak {memory.device_bytes / GIB:.1f} GiB (NCCL's buffers included) "
+                       f"over the {memory.usable_bytes / GIB:.1f} GiB usable")
         options.append(UlyssesOption(
             ulysses=ulysses, ring_size=ring.ring_size, a2a_bytes_per_layer=forward + backward,
             a2a_seconds=cfg.n_layers * (forward + backward) / link_rate,
             ring_transfer_seconds=cfg.n_layers * ring.transfer_seconds_per_layer,
             ring_exposed_seconds=cfg.n_layers * ring.exposed_seconds_per_layer,
-            ring_hidden=ring.hidden, peak_bytes=memory.peak_bytes, refused=refused,
+            ring_hidden=ring.hidden, peak_bytes=memory.device_bytes, refused=refused,
         ))
     return tuple(options)
 

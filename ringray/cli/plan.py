@@ -38,7 +38,8 @@ def plan(
     """Will a job fit its cluster? Memory, ring overlap, Ulysses, recommended cp, verdict.
 
     Memory per device: weights, gradients and AdamW state (replicated or FSDP),
-    activations (the ring's per-layer accounting) and the ring's K/V buffers.
+    activations (the ring's per-layer accounting), the ring's K/V buffers, and NCCL's
+    buffers beside them (the ring's P2P peers and the FSDP communicator).
     Overlap: the threshold block c >= F/B x constant vs the ring's block per rank.
     Ulysses x ring: for each ulysses dividing cp, the all-to-all seconds (inside a
     node) beside the ring's transfer and exposed seconds, and the recommended ulysses.

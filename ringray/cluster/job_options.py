@@ -21,9 +21,14 @@ from ringray.metrics import MetricsOptions
 from ringray.train import TrainOptions
 
 # Every collective's timeout, in step timeouts (cluster.step_timeout_seconds): well after the
-# controller's step timeout, so a hang is seen (and reported) by the controller, not as a
+# controller's step timeout and its flight recorder dumps (cluster.hang_dump_seconds), so a
+# hang is seen (and reported, with every live rank's dump) by the controller, not as a
 # survivor's collective error; under torchrun, a rank whose peer died fails by itself.
 COLLECTIVE_TIMEOUT_FACTOR = 2
+# A hung step's flight recorder dumps (cluster.hang_dump_seconds unset): this share of the
+# step timeout, at most HANG_DUMP_MAX_SECONDS.
+HANG_DUMP_SHARE = 0.25
+HANG_DUMP_MAX_SECONDS = 30.0
 # Ray's built-in resources that a worker may not ask for by name; others are custom resources.
 _RAY_RESERVED = ("memory", "object_store_memory")
 
@@ -47,6 +52,13 @@ class ClusterOptions:
     step_timeout_seconds: Annotated[float, Gt(0)] = 300.0
     """A step (or checkpoint) that takes longer is a hang: recover. Every collective's
     timeout is twice this (under torchrun too), so a rank whose peer died fails by itself."""
+    hang_dump_seconds: Annotated[float, Gt(0)] | None = None
+    """Once a step or checkpoint passes step_timeout_seconds, how long the controller waits
+    for every worker's flight recorder (torch's record of its recent collectives: which one
+    hung, on which rank) before it kills them; the dumps go to RUN/flight-recorder/. null: a
+    quarter of step_timeout_seconds, at most 30. Less than step_timeout_seconds, so the
+    workers are killed before their collective timeout (twice step_timeout_seconds), when
+    NCCL's watchdog would abort them itself."""
     startup_timeout_seconds: Annotated[float, Gt(0)] = 120.0
     """Time for workers, process groups and trainers to come up."""
     capacity_wait_seconds: Annotated[float, Ge(0)] = 600.0
@@ -105,7 +117,41 @@ class ClusterOptions:
         """The process group's timeout: :data:`COLLECTIVE_TIMEOUT_FACTOR` step timeouts (a
         collective inside a step is never the step's only work)."""
         return COLLECTIVE_TIMEOUT_FACTOR * self.step_timeout_seconds
+
+    @property
+    def dump_grace_seconds(self) -> float:
+        """How long a hung step's workers have to hand over their flight recorders
+        (``hang_dump_seconds``, or :data:`HANG_DUMP_SHARE` of the step timeout, at most
+        :data:`HANG_DUMP_MAX_SECONDS`)."""
+        if self.hang_dump_seconds is not None:
+            return self.hang_dump_seconds
+        return min(HANG_DUMP_MAX_SECONDS, HANG_DUMP_SHARE * self.step_timeout_seconds)
+
+    @property
+    def kill_deadline_seconds(self) -> float:
+        """When, into a hung step (or checkpoint), the controller kills its workers: the step
+        timeout, then the dump grace (then a health probe of at most 2 s for each rank that
+        does not answer, to name them). Before :attr:`collective_timeout_seconds` (checked
+        at construction), so the workers are alive to answer the controller's dump request
+        and NCCL's watchdog does not abort them first."""
+        return self.step_timeout_seconds + self.dump_grace_seconds
+
     def __post_init__(self) -> None:
+        self._check_timeouts()
+        self._check_worker_resources()
+
+    def _check_timeouts(self) -> None:
+        """The kill (step timeout + dump grace) must come before the collective timeout."""
+        if self.kill_deadline_seconds >= self.collective_timeout_seconds:
+            step, grace = self.step_timeout_seconds, self.dump_grace_seconds
+            raise ValueError(
+                f"cluster.hang_dump_seconds: {grace:g} would kill a hung step's workers "
+                f"{step + grace:g} s into it, not before their collective timeout "
+                f"({self.collective_timeout_seconds:g} s = {COLLECTIVE_TIMEOUT_FACTOR} x "
+                f"cluster.step_timeout_seconds), when NCCL's watchdog aborts them itself; "
+                f"use less than {self.collective_timeout_seconds - step:g}")
+
+    def _check_worker_resources(self) -> None:
         resources = self.worker_resources
         if resources is None:
             return

@@ -21,6 +21,7 @@ import traceback
 from dataclasses import replace
 from pathlib import Path
 
+from ringray.cluster.flight_recorder import DUMP_PREFIX, STACKS_PREFIX, WorkerDump, dump_summary
 from ringray.cluster.job_options import JobOptions
 from ringray.cluster.placement import PlacementPlan
 from ringray.cluster.policy import Failure
@@ -254,6 +255,29 @@ class JobRecord:
             self.event(line)
 
     # ----------------------------------------------------------------- faults
+    def flight_recorder(self, directory: Path, dumps: dict[int, WorkerDump], *, ranks: int,
+                        waited_seconds: float, what: str) -> str:
+        """A hang's evidence (:mod:`.flight_recorder`): write each rank's recorder (torch's
+        pickle, as its worker handed it over) to ``directory/rank_<r>`` and its threads'
+        stacks to ``stacks_<r>.txt``, then one event naming them, what each rank waits for,
+        NCCL's own dumps found there and the ranks that did not answer among the ``ranks``
+        asked; returns the event's line. A file that cannot be written is said in an event,
+        not raised: the recovery goes on either way."""
+        saved = True
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            for rank, dump in dumps.items():
+                if dump.recorder is not None:
+                    (directory / f"{DUMP_PREFIX}{rank}").write_bytes(dump.recorder)
+                (directory / f"{STACKS_PREFIX}{rank}.txt").write_text(dump.stacks)
+        except OSError as exc:
+            saved = False
+            self.event(f"flight recorder: cannot write {directory} ({exc.strerror})", exc=exc)
+        line = dump_summary(directory, dumps, ranks=ranks, waited_seconds=waited_seconds,
+                            what=what, saved=saved)
+        self.event(line)
+        return line
+
     def restart(self, failure: Failure, *, failed_at_step: int, world_size: int,
                 failures_used: int) -> None:
         if self.metrics is not None:

@@ -11,6 +11,7 @@ The controller creates one per rank inside the job's placement group, then drive
     worker.run_steps(1) -> [StepStats]                  # every rank, in step
     worker.checkpoint() -> Saved                        # every rank (collective)
     worker.health() -> WorkerHealth                     # any time, answered between steps too
+    worker.flight_recorder() -> WorkerDump              # any time: a hung step's evidence
 
 The session (:class:`~ringray.train.session.TrainingSession`) is the one ``run_training``
 drives under torchrun; here the controller calls it one step at a time. Nothing here decides
@@ -27,9 +28,10 @@ import re
 import socket
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 
 import ray
 import torch
@@ -42,6 +44,7 @@ from ringray.cluster.devices import (
     interface_of,
     socket_variables,
 )
+from ringray.cluster.flight_recorder import WorkerDump, thread_stacks
 from ringray.cluster.status import WorkerHealth
 from ringray.data import PasskeyReport
 from ringray.harness.evaluate import EvalPlan, EvalProgress
@@ -61,12 +64,22 @@ from ringray.train.session import Restored, Saved, TrainingSession, plan_session
 class TrainWorker:
     """The actor class (the controller wraps it with ``ray.remote`` and its resources).
 
-    It runs with ``max_concurrency=2`` so :meth:`health` answers while a step runs; every
-    other method is called by the controller one at a time.
+    It runs with ``max_concurrency=2`` so :meth:`health` and :meth:`flight_recorder` answer
+    while a step runs (or hangs); every other method is called by the controller one at a
+    time.
+
+    ``environment``: variables for torch, set before anything forms a process group (the
+    flight recorder's, :func:`~ringray.cluster.flight_recorder.recorder_environment`).
     """
 
-    def __init__(self, *, rank: int, world_size: int) -> None:
+    def __init__(self, *, rank: int, world_size: int,
+                 environment: Mapping[str, str] | None = None) -> None:
         release_freed_memory()  # the process trains from here on (ringray.train.host_memory)
+        self._recorder_variables = tuple(environment or ())
+        os.environ.update(environment or {})
+        dump_file = (environment or {}).get("TORCH_FR_DUMP_TEMP_FILE")
+        if dump_file is not None:  # torch writes NCCL's own dump there, but makes no directory
+            Path(dump_file).parent.mkdir(parents=True, exist_ok=True)
         self.rank = rank
         self.world_size = world_size
         self.session: TrainingSession | None = None
@@ -104,10 +117,28 @@ class TrainWorker:
             self._cuda_device = setup.local_rank
 
     def environment(self) -> dict[str, str | int | None]:
-        """The device settings this worker runs with (for tests and ``ringray status``)."""
-        names = ("CUDA_VISIBLE_DEVICES", *SOCKET_IFNAME_VARIABLES)
+        """The device and flight recorder settings this worker runs with (for tests and
+        ``ringray status``)."""
+        names = ("CUDA_VISIBLE_DEVICES", *SOCKET_IFNAME_VARIABLES, *self._recorder_variables)
         return {**{name: os.environ.get(name) for name in names},
                 "cuda_device": self._cuda_device}
+
+    # ----------------------------------------------------------------- evidence
+    def flight_recorder(self) -> WorkerDump:
+        """What this process can say of a hung call (:mod:`ringray.cluster.flight_recorder`):
+        torch's flight recorder, its record of the recent collectives, pickled as torch dumps
+        it on a timeout (NCCL's own recorder on a GPU worker; ``None`` before the process
+        group exists), and every other thread's Python stack. Answered on the actor's second
+        thread while a step hangs: the stuck one waits with the GIL released."""
+        recorder = None
+        if dist.is_initialized():
+            c10d = torch._C._distributed_c10d
+            nccl_dump = getattr(c10d, "_dump_nccl_trace", None)
+            dump = (nccl_dump if dist.get_backend() == "nccl" and nccl_dump is not None
+                    else c10d._dump_fr_trace)
+            recorder = dump(True, True, False)  # collectives, their call stacks, all of them
+        stacks, stuck_at = thread_stacks()
+        return WorkerDump(recorder=recorder, stacks=stacks, stuck_at=stuck_at)
 
     # ----------------------------------------------------------------- process groups
     def rendezvous_address(self) -> tuple[str, int]:
@@ -121,12 +152,20 @@ class TrainWorker:
         """Join the job's default process group (blocks until every rank has joined).
 
         ``timeout_seconds`` bounds every later collective too: a rank whose peer died fails
-        within it instead of the 30-minute default (the controller kills it sooner).
+        within it instead of the 30-minute default (the controller kills it sooner). On a GPU
+        worker (NCCL) the group is bound to the worker's device, so its communicator is made
+        here and every subgroup is split from it
+        (:func:`~ringray.attention.groups.init_kwargs`).
         """
+        from ringray.attention.groups import init_kwargs
+
+        device = (torch.device("cuda", self._cuda_device) if self._cuda_device is not None
+                  else None)
         with self._busy():
             dist.init_process_group(
                 backend, init_method=f"tcp://{host}:{port}", rank=self.rank,
                 world_size=self.world_size, timeout=timedelta(seconds=timeout_seconds),
+                **init_kwargs(backend, device),
             )
 
     # ----------------------------------------------------------------- training

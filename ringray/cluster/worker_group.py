@@ -13,11 +13,16 @@ checked against the plan once they report where they run, and
 joined into one process group through rank 0's TCP rendezvous. Every wait goes through
 :class:`~ringray.cluster.watch.WorkerWatch`, which turns what goes wrong into
 :class:`~ringray.cluster.errors.WorkerGroupFailure` (or :class:`JobError` when a retry cannot help).
+A step or checkpoint that hangs is reported only after every worker has been asked for its
+flight recorder (:mod:`ringray.cluster.flight_recorder`): the workers start with the
+recorder's settings, and the machine kills them after the dumps, before their collective
+timeout.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 
 import ray
@@ -26,6 +31,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ringray.cluster.devices import plan_devices
 from ringray.cluster.errors import CallTimeout, JobError, WorkerGroupFailure
+from ringray.cluster.flight_recorder import recorder_directory, recorder_environment
 from ringray.cluster.job_options import ClusterOptions, JobOptions
 from ringray.cluster.nodes import NODE_ID_LABEL, schedulable_nodes
 from ringray.cluster.placement import (
@@ -123,6 +129,8 @@ class RayWorkerGroup:
         self.pg = None
         self.plan_: PlacementPlan | None = None
         self.address: tuple[str, int] | None = None  # rank 0's store: (host, port)
+        # Where the current workers' flight recorders go (one directory per start).
+        self.recorder_dir = recorder_directory(job.train.run_dir, self.name)
 
     # ----------------------------------------------------------------- placement
     def plan(self, dp_choices: tuple[int, ...], *, avoid: frozenset[str]) -> PlacementPlan:
@@ -205,14 +213,19 @@ class RayWorkerGroup:
                         what="the placement group to be reserved", should_stop=self.should_stop)
         actor = ray.remote(TrainWorker)
         resources = self.job.actor_resources()
+        started = time.strftime("%Y%m%dT%H%M%S")
+        self.recorder_dir = recorder_directory(self.job.train.run_dir, f"{self.name}-{started}")
+        environment = recorder_environment(self.cluster.process_group_backend,
+                                           directory=self.recorder_dir,
+                                           dump_seconds=self.cluster.dump_grace_seconds)
         self.workers = [
             actor.options(
-                max_concurrency=2,  # health() answers while a step runs
+                max_concurrency=2,  # health() and flight_recorder() answer while a step runs
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self.pg, placement_group_bundle_index=rank.rank,
                 ),
                 **resources,
-            ).remote(rank=rank.rank, world_size=plan.world_size)
+            ).remote(rank=rank.rank, world_size=plan.world_size, environment=environment)
             for rank in plan.ranks
         ]
         self.watch.track(self.workers, self.watch.nodes)
@@ -260,8 +273,7 @@ class RayWorkerGroup:
                                       timeout=self.cluster.step_timeout_seconds,
                                       what="a step", move_now=move_now)
         except CallTimeout as exc:
-            raise WorkerGroupFailure(Failure(kind=FailureKind.HANG, detail=(
-                f"{exc}; {self.watch.describe_silence()}"))) from None
+            raise self._hung(exc, "a step") from None
         return results[0][-1]
 
     def checkpoint(self) -> Saved:
@@ -270,8 +282,40 @@ class RayWorkerGroup:
                                    timeout=self.cluster.step_timeout_seconds,
                                    what="a checkpoint")[0]
         except CallTimeout as exc:
-            raise WorkerGroupFailure(Failure(kind=FailureKind.HANG, detail=(
-                f"{exc}; {self.watch.describe_silence()}"))) from None
+            raise self._hung(exc, "a checkpoint") from None
+
+    def _hung(self, exc: CallTimeout, what: str) -> WorkerGroupFailure:
+        """``what`` passed the step timeout: the hang's failure, once every worker has been
+        asked for its flight recorder (first, while the hang is freshest) and the silent ranks
+        are known."""
+        self.dump_flight_recorders(what)
+        return WorkerGroupFailure(Failure(kind=FailureKind.HANG, detail=(
+            f"{exc}; {self.watch.describe_silence()}")))
+
+    def dump_flight_recorders(self, what: str) -> str | None:
+        """Ask every worker for its flight recorder and wait for the answers at most
+        ``cluster.hang_dump_seconds`` (each on the actor's second thread: the first is stuck
+        in ``what``), then record them (:meth:`~ringray.cluster.record.JobRecord.
+        flight_recorder`); returns the event's line. Nothing raises from here: the hang is
+        reported either way."""
+        grace = self.cluster.dump_grace_seconds
+        try:
+            refs = [w.flight_recorder.remote() for w in self.workers]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=grace)
+            dumps = {}
+            for rank, ref in enumerate(refs):
+                if ref in ready:
+                    try:
+                        dumps[rank] = ray.get(ref)
+                    except ray.exceptions.RayError:  # dead, or its dump failed: not answered
+                        continue
+            return self.record.flight_recorder(self.recorder_dir, dumps,
+                                               ranks=len(self.workers),
+                                               waited_seconds=grace, what=what)
+        except Exception as exc:  # evidence is a bonus: never in the way of the recovery
+            self.record.event(f"flight recorder: not collected ({type(exc).__name__}: {exc})",
+                              exc=exc)
+            return None
 
     def evaluate(self) -> PasskeyReport | None:
         passkey = self.job.train.eval

@@ -200,7 +200,7 @@ def activation_bytes_per_token(cfg: ModelConfig, *, bf16: bool, checkpointing: C
 
 
 def ring_buffer_bytes_per_token(cfg: ModelConfig, *, cp: int, bf16: bool,
-                                ulysses: int = 1) -> int:
+                                ulysses: int = 1, cuda: bool = False) -> int:
     """Buffers one ring-attention call allocates beyond what it saves, per local token
     (only one layer's ring runs at a time), counted from :mod:`ringray.attention.ring` and
     measured (``tests/test_ring_buffers_measured.py``); a K/V block is ``2ke`` elements per
@@ -224,6 +224,12 @@ def ring_buffer_bytes_per_token(cfg: ModelConfig, *, cp: int, bf16: bool,
     nothing is gathered), so a rank's peak is up to one block below. The current block is
     the one saved by the forward (an activation). The larger phase is the figure.
 
+    On CUDA (``cuda``) each step's messages are posted from a side stream that waits only on
+    what they carry (:class:`~ringray.attention.comm.CudaStepScheduler`), so a receive may
+    land a step ahead of the compute: from R = 3 each pool holds one buffer more (n = 4,
+    m = 4, s = 5; at R = 2 no K/V moves in the backward and nothing changes), measured on
+    the scheduler's rules with rings of 4 and 8.
+
     With Ulysses (``ulysses`` U > 1, :mod:`ringray.attention.ulysses`) the ring has cp / U
     ranks and its K/V block per local token is ``2ker`` elements (``r``: :func:`kv_repeat`);
     the forward also holds the caller's q/k/v in sequence order, ``(h + 2k)ea``, while the
@@ -242,6 +248,8 @@ def ring_buffer_bytes_per_token(cfg: ModelConfig, *, cp: int, bf16: bool,
     ring = cp // ulysses
     incoming = 0 if ring == 1 else 3
     received, sums = {1: (0, 1), 2: (0, 3)}.get(ring, (3, 4))
+    if cuda and ring >= 3:  # one more buffer per pool: receives may run a step ahead
+        incoming, received, sums = incoming + 1, received + 1, sums + 1
     forward = incoming * kv_block * a + 4 * h * e
     backward = received * kv_block * a + sums * kv_block * 4 + 4 * h * e
     if bf16:
@@ -356,7 +364,8 @@ def rank_footprint(cfg: ModelConfig, *, local_tokens: int, cp: int, shards: int,
     when sharded) or float32, the loss computed ``loss_chunk_tokens`` tokens at a time.
     ``ranks`` (dp × cp of one world; ``None``: more than one) and ``foreach`` (AdamW's
     foreach update: CUDA; ``False`` on CPU) size the step's temporaries
-    (:func:`step_transient_bytes`)."""
+    (:func:`step_transient_bytes`); ``foreach`` also stands for CUDA's ring buffers
+    (:func:`ring_buffer_bytes_per_token`'s ``cuda``)."""
     sharded = shards > 1
     local_params = math.ceil(cfg.num_params() / shards)
     autocast_copies = 2 * _matmul_params(cfg) if bf16 and not sharded else 0
@@ -365,7 +374,8 @@ def rank_footprint(cfg: ModelConfig, *, local_tokens: int, cp: int, shards: int,
                  ulysses=ulysses, ring=cp // ulysses)
     kept = local_tokens * kept_activation_bytes_per_token(cfg, **terms)
     recompute = local_tokens * recompute_bytes_per_token(cfg, **terms)
-    ring = local_tokens * ring_buffer_bytes_per_token(cfg, cp=cp, bf16=bf16, ulysses=ulysses)
+    ring = local_tokens * ring_buffer_bytes_per_token(cfg, cp=cp, bf16=bf16, ulysses=ulysses,
+                                                      cuda=foreach)
     before, ring_saved, _ = _block_terms(cfg, bf16=bf16, bf16_weights=terms["bf16_weights"],
                                          ulysses=ulysses, ring=cp // ulysses)
     alongside = local_tokens * (before + ring_saved) if checkpointing == "full" else 0

@@ -25,7 +25,12 @@ tokens, so the sums above stay exact. The step reports the all-to-alls' seconds
 
 Packed documents (``data.documents``): every row has its own document lengths, and the ring
 takes one list per call, so a rank runs its rows one at a time and accumulates their
-gradients (under FSDP only the last row's backward reduce-scatters). Each row is sharded with
+gradients. Under FSDP every row's backward reduce-scatters into the rank's gradient shards,
+which is what the plan counts: a row left unsynced would keep every parameter's full
+float32 gradient until the last row (4 bytes a parameter, 32 GB at 8B however many ranks
+shard it), for the saving of one reduce-scatter of the gradients a row, which FSDP issues
+block by block inside that row's backward (``tests/test_plan_comm_memory.py`` shows what
+each way keeps). Each row is sharded with
 its own layout (``balanced``, under ``parallel.layout: auto``, is built for the row's
 documents); the row's :class:`RingContext` (layout, documents, RoPE positions on the device)
 is kept in a small LRU keyed by the lengths. Labels that cross a document boundary are
@@ -396,12 +401,13 @@ class Trainer:
         time (each row's documents need their own ring context), accumulating gradients;
         returns its loss sum and the global batch's counted labels (the loss's divisor)."""
         batch = self.loader.next_packed()
-        rank, rows = self.mesh.cp_rank, len(batch.documents)
+        rank = self.mesh.cp_rank
         loss_sum = torch.zeros((), device=self.device)
+        # Under FSDP each row's backward reduce-scatters into the gradient shards (FSDP2's
+        # default): with sync off until the last row, every parameter's unsharded float32
+        # gradient would stay allocated across the rows (see the module docstring).
         for row, documents in enumerate(batch.documents):
             ring = self._document_ring(documents)
-            if self.sharded:  # reduce-scatter once, in the last row's backward
-                self.model.set_requires_gradient_sync(row == rows - 1)
             inputs = upload(ring.layout.shard(batch.inputs[row : row + 1], rank), self.device)
             labels = upload(ring.layout.shard(batch.labels[row : row + 1], rank), self.device)
             loss_sum += self._loss_sum_backward(inputs, labels, ring, batch.counted_labels)
