@@ -43,13 +43,19 @@ bench: $(STAMP)
 	$(VENV)/bin/ringray bench ring
 	$(VENV)/bin/ringray bench train
 
-## ruff, and the import contracts of pyproject.toml (the layers, Ray only in ringray.cluster).
-## On a machine with a CUDA GPU: every gpu-marked test, the kernel and training benchmarks,
-## all figures in benchmarks/gpu-check-<gpu>.json (see benchmarks/gpu_check.py). Without a GPU
-## it is a dry run that says so.
-gpu-check: $(STAMP)
-	$(PY) benchmarks/gpu_check.py
+## The GPU check (docs/benchmarks.md): every phase that needs a GPU, in one call of under 10
+## minutes, all figures in benchmarks/gpu-check-<gpu>.json (see benchmarks/gpu_check.py). It
+## runs with the machine's own Python and CUDA torch and installs nothing that an offline GPU
+## machine cannot reach: only the wheels carried in .whl/, if any. A GPU that torch cannot use
+## fails it; no GPU at all makes it a dry run at CPU scale that says so.
+GPU_PYTHON ?= python3
+GPU_CHECK_ARGS ?=
+gpu-check:
+	@if ls .whl/*.whl >/dev/null 2>&1; then \
+		$(GPU_PYTHON) -m pip install --quiet --no-index --no-deps .whl/*.whl; fi
+	$(GPU_PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
+## ruff, and the import contracts of pyproject.toml (the layers, Ray only in ringray.cluster).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check ringray tests benchmarks examples
 	$(VENV)/bin/lint-imports --no-cache

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from rich.table import Table
 
 from ringray.attention import make_layout
-from ringray.attention.backends.common import expand_kv_heads, softmax_delta
+from ringray.attention.backends.common import backend_delta, expand_kv_heads, softmax_delta
 from ringray.attention.backends.reference import ReferenceBackend
 from ringray.attention.pieces import PieceKind, plan_rank
 
@@ -133,7 +133,7 @@ def _one_block(seq: int, device: torch.device):
 
 
 def _time_triton(cfg, q, k, v, dout, causal) -> tuple[float, float]:
-    from ringray.attention.backends.triton_backward import block_backward
+    from ringray.attention.backends.triton_backward import block_backward, softmax_delta_triton
     from ringray.attention.backends.triton_forward import block_forward
 
     scale = cfg.head_dim**-0.5
@@ -145,7 +145,7 @@ def _time_triton(cfg, q, k, v, dout, causal) -> tuple[float, float]:
     out = out.to(q.dtype)
 
     def backward() -> None:
-        delta = softmax_delta(dout, out)
+        delta = softmax_delta_triton(dout, out)  # the ring's delta for a triton backend
         block_backward(dout, q, k, v, lse, delta, pos, pos, causal=causal, scale=scale,
                        key=key)
 
@@ -236,7 +236,7 @@ def _virtual_ring_steps(cfg, q, k, v, dout, causal, layout_name):
         dks = [torch.zeros(k_r[s].shape, **f32) for s in range(blocks)]
         dvs = [torch.zeros(v_r[s].shape, **f32) for s in range(blocks)]
         for r in range(blocks):
-            delta = softmax_delta(dout_r[r], state["out"][r])  # once per rank, as the ring
+            delta = backend_delta(kernel, dout_r[r], state["out"][r])  # once a rank, as the ring
             dq = torch.zeros(q_r[r].shape, **f32)
             for src in visits[r]:
                 kernel.backward_into(dout_r[r], q_r[r], k_r[src], v_r[src], state["lse"][r],
