@@ -81,6 +81,34 @@ def test_torchrun_binds_the_group_to_local_rank_device(joins, monkeypatch, on_gp
     assert kwargs["timeout"] == timedelta(seconds=60)
 
 
+@pytest.mark.parametrize("on_gpu", [True, False])
+def test_torchrun_switches_the_flight_recorder_on_before_it_joins(joins, monkeypatch, tmp_path,
+                                                                  on_gpu) -> None:
+    """Under torchrun the entry point sets torch's flight recorder variables before the group
+    is made (torch reads them then): the recorder's size always; with NCCL its dump on a
+    collective timeout, into RUN/flight-recorder/torchrun/. A variable the user set wins."""
+    import os
+
+    import ringray.train.__main__ as entry
+
+    environ = {name: value for name, value in os.environ.items()
+               if not name.startswith(("TORCH_FR_", "TORCH_NCCL_"))}
+    environ.update(WORLD_SIZE="2", LOCAL_RANK="0", TORCH_NCCL_ENABLE_MONITORING="0")
+    monkeypatch.setattr(os, "environ", environ)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: on_gpu)
+    with pytest.raises(_Joined):
+        entry._init_distributed(60.0, str(tmp_path))
+    assert environ["TORCH_FR_BUFFER_SIZE"] == "2000"
+    directory = tmp_path / "flight-recorder" / "torchrun"
+    if on_gpu:
+        assert environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+        assert environ["TORCH_FR_DUMP_TEMP_FILE"] == str(directory / "nccl_rank_")
+        assert directory.is_dir()
+    else:
+        assert "TORCH_NCCL_DUMP_ON_TIMEOUT" not in environ and not directory.exists()
+    assert environ["TORCH_NCCL_ENABLE_MONITORING"] == "0"  # the user's own setting
+
+
 @pytest.mark.parametrize("backend", ["nccl", "gloo"])
 def test_the_harness_binds_its_ranks_to_their_devices(joins, monkeypatch, backend) -> None:
     from ringray.harness.launch import run_rank

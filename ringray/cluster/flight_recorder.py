@@ -43,15 +43,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-FLIGHT_RECORDER_DIR = "flight-recorder"
-"""Under the run directory: one directory per start of a group of workers."""
-RECORDER_ENTRIES = 2000
-"""Collectives each process remembers (torch's default, set explicitly)."""
+from ringray.train.flight_recorder import (
+    FLIGHT_RECORDER_DIR,
+    NCCL_DUMP_PREFIX,
+    RECORDER_ENTRIES,
+    recorder_environment,
+)
+
+__all__ = ["FLIGHT_RECORDER_DIR", "NCCL_DUMP_PREFIX", "RECORDER_ENTRIES", "WorkerDump",
+           "dump_summary", "pending_collective", "rank_summary", "recorder_directory",
+           "recorder_environment", "thread_stacks"]
+
 DUMP_PREFIX = "rank_"
 """The controller's files: ``rank_<r>`` (the recorder) and ``stacks_<r>.txt``."""
 STACKS_PREFIX = "stacks_"
-NCCL_DUMP_PREFIX = "nccl_rank_"
-"""NCCL's own dumps on a collective timeout or error: ``nccl_rank_<r>``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,28 +95,6 @@ def recorder_directory(run_dir: str | Path, workers: str) -> Path:
     """Where the flight recorders of one start of a group of workers (named ``workers``)
     go: ``RUN/flight-recorder/<workers>``."""
     return Path(run_dir) / FLIGHT_RECORDER_DIR / workers
-
-
-def recorder_environment(backend: str, *, directory: str | Path,
-                         dump_seconds: float) -> dict[str, str]:
-    """The environment a worker starts with (before torch forms a process group): the
-    recorder's size for every backend (``TORCH_FR_BUFFER_SIZE``); for NCCL also its dump on
-    a collective timeout or error (``TORCH_NCCL_DUMP_ON_TIMEOUT``, which needs the heartbeat
-    monitor, ``TORCH_NCCL_ENABLE_MONITORING``), into ``directory``
-    (``TORCH_FR_DUMP_TEMP_FILE`` + rank), given ``dump_seconds`` to write it before the
-    process is torn down (``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC``). torch 2.13's names: it
-    reads ``TORCH_NCCL_TRACE_BUFFER_SIZE`` and ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE`` only as
-    deprecated aliases of the first two (and warns when one is set), so they are not."""
-    environment = {"TORCH_FR_BUFFER_SIZE": str(RECORDER_ENTRIES)}
-    if backend != "nccl":
-        return environment
-    return {
-        **environment,
-        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-        "TORCH_NCCL_ENABLE_MONITORING": "1",
-        "TORCH_FR_DUMP_TEMP_FILE": str(Path(directory) / NCCL_DUMP_PREFIX),
-        "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": str(int(dump_seconds * 1000)),
-    }
 
 
 def pending_collective(dump: bytes) -> str:

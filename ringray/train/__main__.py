@@ -22,16 +22,20 @@ import torch
 import torch.distributed as dist
 
 from ringray.attention.groups import init_kwargs
+from ringray.train.flight_recorder import switch_on_recorder
 from ringray.train.host_memory import release_freed_memory
 from ringray.train.options import TrainOptions
 from ringray.train.replicas import ReplicaMembership
 from ringray.train.run_dir import keep_pretrained_files
 
 
-def _init_distributed(timeout_seconds: float) -> None:
+def _init_distributed(timeout_seconds: float, run_dir: str | None = None) -> None:
     """Join the process group torchrun describes in the environment (if any); every
     collective fails after ``timeout_seconds`` (the job file's, as on Ray). On CUDA the
-    group is bound to this rank's device (:func:`~ringray.attention.groups.init_kwargs`)."""
+    group is bound to this rank's device (:func:`~ringray.attention.groups.init_kwargs`).
+    With ``run_dir``, torch's flight recorder is on first, and NCCL dumps it into the run
+    directory when a collective times out (:func:`~ringray.train.flight_recorder.
+    switch_on_recorder`)."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
         return
     device = None
@@ -41,6 +45,8 @@ def _init_distributed(timeout_seconds: float) -> None:
         backend = "nccl"
     else:
         backend = "gloo"
+    if run_dir is not None:
+        switch_on_recorder(backend, run_dir)
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_seconds),
                             **init_kwargs(backend, device))
 
@@ -142,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if replica is not None:
         options = group_run(options, replica.index)
-    _init_distributed(spec.collective_timeout_seconds())
+    _init_distributed(spec.collective_timeout_seconds(), options.run_dir)
 
     def write_job_file() -> None:  # as `ringray train` does, once the job has started
         try:
