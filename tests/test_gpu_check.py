@@ -24,7 +24,7 @@ from ringray.bench.ring_kernel_check import check_case
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
-PHASES = ("versions", "correctness", "overflow", "gpu-tests", "kernel-speed", "plan")
+PHASES = ("versions", "correctness", "overflow", "kernel-speed", "plan", "gpu-tests")
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA it runs for real")
 
