@@ -8,14 +8,16 @@ On CUDA, per sequence length and mask (causal, full), in the configured dtype:
   forward (two matrix products), 2.5 times that for the backward (five), halved for causal.
   SDPA gets K/V with their heads already repeated to the query-head count (outside the
   timed region): its flash kernel is then doing exactly the FLOPs counted.
-  The triton backward includes computing ``delta = rowsum(dO · O)``.
-- a single-GPU "virtual ring": the same sequence cut by a layout (zigzag when causal,
-  contiguous when full) into N blocks and processed step by step the way
-  :func:`~ringray.attention.ring_attention` does on N ranks (every rank's queries against
-  every K/V block, empty block pairs skipped by the plan, the merge fused into the forward
-  kernel, the backward adding into float32 accumulators with delta computed once per
-  rank), against one SDPA flash call on the whole sequence: the ratio of times is the cost
-  of cutting the sequence up, communication left aside.
+  The triton backward includes computing ``delta = rowsum(dO · O)``. Inputs have the
+  ring's strides: q and dO are transposed views of ``(B, S, H, D)`` rows, K and V
+  contiguous ``(B, Hkv, S, D)``, as the ring hands them to a kernel.
+- a single-GPU "virtual ring" (:class:`~ringray.bench.virtual_ring.VirtualRing`): the same
+  sequence cut by a layout (zigzag when causal, contiguous when full) into N blocks and
+  processed step by step the way :func:`~ringray.attention.ring_attention` does on N ranks
+  (every rank's queries against every K/V block, empty block pairs skipped by the plan, the
+  merge fused into the forward kernel, the backward adding into float32 accumulators with
+  delta computed once per rank), against one SDPA flash call on the whole sequence: the
+  ratio of times is the cost of cutting the sequence up, communication left aside.
 
 Times come from CUDA events around each repetition, read after the last one; the median of
 ``iters`` repetitions after ``warmup`` is reported.
@@ -36,9 +38,9 @@ import torch.nn.functional as F
 from rich.table import Table
 
 from ringray.attention import make_layout
-from ringray.attention.backends.common import backend_delta, expand_kv_heads, softmax_delta
+from ringray.attention.backends.common import expand_kv_heads, softmax_delta
 from ringray.attention.backends.reference import ReferenceBackend
-from ringray.attention.pieces import PieceKind, plan_rank
+from ringray.attention.pieces import PieceKind
 
 # Backward FLOPs as a multiple of the forward's: five matrix products against two.
 BACKWARD_FLOP_RATIO = 2.5
@@ -112,15 +114,18 @@ def cuda_median_ms(fn: Callable[[], object], warmup: int, iters: int) -> float:
 
 
 def _inputs(cfg: KernelBenchConfig, seq: int, device: torch.device, seed: int = 0):
-    """q, dout ``(B, Hq, S, D)`` and k, v ``(B, Hkv, S, D)`` in the benchmark dtype."""
+    """q, dout ``(B, Hq, S, D)`` and k, v ``(B, Hkv, S, D)`` in the benchmark dtype, with the
+    ring's strides: q and dout are transposed views of ``(B, S, H, D)`` rows (as the ring
+    hands them to a kernel), k and v contiguous (the halves of the ring's K/V buffer)."""
     g = torch.Generator(device=device).manual_seed(seed)
     dtype = getattr(torch, cfg.dtype)
 
-    def randn(heads: int) -> torch.Tensor:
-        return torch.randn(cfg.batch, heads, seq, cfg.head_dim, generator=g, device=device,
-                           dtype=dtype)
+    def rows(heads: int) -> torch.Tensor:
+        return torch.randn(cfg.batch, seq, heads, cfg.head_dim, generator=g, device=device,
+                           dtype=dtype).transpose(1, 2)
 
-    return randn(cfg.heads), randn(cfg.kv_heads), randn(cfg.kv_heads), randn(cfg.heads)
+    return (rows(cfg.heads), rows(cfg.kv_heads).contiguous(), rows(cfg.kv_heads).contiguous(),
+            rows(cfg.heads))
 
 
 def _one_block(seq: int, device: torch.device):
@@ -200,65 +205,25 @@ def run_speed(cfg: KernelBenchConfig) -> list[SpeedRow]:
     return rows
 
 
-def _virtual_ring_steps(cfg, q, k, v, dout, causal, layout_name):
-    """Closures running the virtual ring's forward and backward over all N 'ranks'."""
-    from ringray.attention.backends.common import BlockPairKey
-    from ringray.attention.backends.triton import TritonBackend
-
-    blocks, seq = cfg.ring_blocks, q.shape[2]
-    layout = make_layout(layout_name, blocks, seq)
-    kernel, scale = TritonBackend(), cfg.head_dim**-0.5
-    pos = [layout.positions(r).to(q.device, torch.int32) for r in range(blocks)]
-    shards = [[layout.shard(t, r, dim=2).contiguous() for r in range(blocks)]
-              for t in (q, k, v, dout)]
-    q_r, k_r, v_r, dout_r = shards
-    # Per query block, the K/V blocks in ring order that hold at least one visible key.
-    visits = [[(r - t) % blocks for t in range(blocks)
-               if plan_rank(layout, r, causal).pieces[(r - t) % blocks]]
-              for r in range(blocks)]
-    state = {}
-
-    def forward() -> None:
-        outs, lses = [], []
-        for r in range(blocks):
-            out = torch.zeros(q_r[r].shape, dtype=torch.float32, device=q.device)
-            lse = torch.full(q_r[r].shape[:3], float("-inf"), device=q.device)
-            for src in visits[r]:
-                kernel.forward_into(q_r[r], k_r[src], v_r[src], out, lse, causal=causal,
-                                    scale=scale, q_pos=pos[r], k_pos=pos[src],
-                                    key=BlockPairKey(layout, r, src))
-            outs.append(out.to(q.dtype))
-            lses.append(lse)
-        state["out"], state["lse"] = outs, lses
-
-    def backward() -> None:
-        f32 = {"dtype": torch.float32, "device": q.device}
-        dks = [torch.zeros(k_r[s].shape, **f32) for s in range(blocks)]
-        dvs = [torch.zeros(v_r[s].shape, **f32) for s in range(blocks)]
-        for r in range(blocks):
-            delta = backend_delta(kernel, dout_r[r], state["out"][r])  # once a rank, as the ring
-            dq = torch.zeros(q_r[r].shape, **f32)
-            for src in visits[r]:
-                kernel.backward_into(dout_r[r], q_r[r], k_r[src], v_r[src], state["lse"][r],
-                                     delta, dq, dks[src], dvs[src], causal=causal,
-                                     scale=scale, q_pos=pos[r], k_pos=pos[src],
-                                     key=BlockPairKey(layout, r, src))
-
-    return forward, backward
-
-
 def run_virtual_ring(cfg: KernelBenchConfig) -> list[VirtualRingRow]:
-    """The virtual ring against one SDPA flash call, per seq and mask."""
+    """The virtual ring (:class:`~ringray.bench.virtual_ring.VirtualRing`, the ring's
+    strides) against one SDPA flash call, per seq and mask."""
     from torch.nn.attention import SDPBackend
+
+    from ringray.attention.backends.triton import TritonBackend
+    from ringray.bench.virtual_ring import VirtualRing
 
     rows = []
     for seq in cfg.seqs:
         q, k, v, dout = _inputs(cfg, seq, torch.device("cuda"))
         for causal in cfg.masks:
             layout = "zigzag" if causal else "contiguous"
-            forward, backward = _virtual_ring_steps(cfg, q, k, v, dout, causal, layout)
-            forward_ms = cuda_median_ms(forward, cfg.warmup, cfg.iters)
-            backward_ms = cuda_median_ms(backward, cfg.warmup, cfg.iters)
+            ring = VirtualRing(make_layout(layout, cfg.ring_blocks, seq), causal,
+                               TritonBackend(), scale=cfg.head_dim**-0.5)
+            ring.forward(*(t.transpose(1, 2) for t in (q, k, v)))  # lays out the blocks
+            ring.backward(dout.transpose(1, 2))
+            forward_ms = cuda_median_ms(ring.forward_steps, cfg.warmup, cfg.iters)
+            backward_ms = cuda_median_ms(ring.backward_steps, cfg.warmup, cfg.iters)
             sdpa = _time_sdpa(cfg, q, k, v, dout, causal, SDPBackend.FLASH_ATTENTION)
             if sdpa is None:
                 raise RuntimeError("SDPA's flash backend cannot run these inputs on this GPU")

@@ -13,8 +13,14 @@ ring calls today, tile lists cached), as ``triton-fused``.
 
 ``auto``'s row carries the best single kernel's times (``best_forward_ms``,
 ``best_backward_ms``) beside its own: routing each piece to the fastest kernel must be at
-least as fast as any one kernel for all pieces. On CPU the same code runs at toy sizes; its
-times mean nothing.
+least as fast as any one kernel for all pieces.
+
+:func:`run_ring_speed` times whole ring calls the same way, on a virtual ring of 4 blocks
+(:class:`~ringray.bench.virtual_ring.VirtualRing`: every rank's steps one after another,
+zigzag causal and contiguous full), for the backends that run every piece kind: ``triton``
+(one fused launch per block pair), ``sdpa`` and ``auto`` (a call per planned piece, merged).
+That is where routing pays its own costs (a launch and a merge per piece) against the fused
+kernel. On CPU the same code runs at toy sizes; its times mean nothing.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from ringray.attention.pieces import PieceKind
 from ringray.bench.kernel import BACKWARD_FLOP_RATIO, attention_flops, cuda_median_ms
 
 IMPLS = ("triton", "cudnn", "flash", "flash-attn", "fa3", "sdpa", "auto")
+RING_IMPLS = ("triton", "sdpa", "auto")
+RING_BLOCKS = 4
 GPU_HEAD_SHAPES = ((32, 8, 128), (32, 8, 64))
 CPU_HEAD_SHAPES = ((4, 2, 32),)
 
@@ -156,6 +164,59 @@ def _rows_for(heads, tokens, kind, block, device, on_gpu, warmup, iters) -> list
                      "forward_tflops": round(flops / forward_ms / 1e9, 1),
                      "backward_tflops": round(BACKWARD_FLOP_RATIO * flops / backward_ms / 1e9,
                                               1)})
+    _mark_best(rows)
+    return rows
+
+
+def run_ring_speed(*, seqs: tuple[int, ...], on_gpu: bool,
+                   head_shapes: tuple[tuple[int, int, int], ...] | None = None,
+                   warmup: int = 2, iters: int = 5) -> list[dict]:
+    """One row per (head shape, tokens per rank, layout, backend): a whole ring call's
+    forward and backward on a virtual ring of :data:`RING_BLOCKS` blocks; ``auto``'s row
+    carries the best other backend's times, as in :func:`run_piece_speed`."""
+    from ringray.attention import make_layout
+    from ringray.bench.virtual_ring import VirtualRing
+
+    device = torch.device("cuda" if on_gpu else "cpu")
+    head_shapes = head_shapes or (GPU_HEAD_SHAPES if on_gpu else CPU_HEAD_SHAPES)
+    rows = []
+    for heads in head_shapes:
+        for tokens in seqs:
+            seq = RING_BLOCKS * tokens
+            block = ring_block(heads, seq, device)  # the whole sequence, (B, S, H, D) below
+            q, k, v, dout = (block[n].transpose(1, 2) for n in ("q", "k", "v", "dout"))
+            for layout_kind, causal in (("zigzag", True), ("contiguous", False)):
+                layout = make_layout(layout_kind, RING_BLOCKS, seq)
+                flops = attention_flops(1, heads[0], seq, heads[2], causal)
+                found = []
+                for impl in RING_IMPLS:
+                    try:
+                        backend = resolve_backend(impl, device, torch.bfloat16)
+                    except (ValueError, ImportError):
+                        continue
+                    ring = VirtualRing(layout, causal, backend)
+                    ring.forward(q, k, v)
+                    ring.backward(dout)
+                    forward_ms = _median_ms(ring.forward_steps, warmup, iters, on_gpu)
+                    backward_ms = _median_ms(ring.backward_steps, warmup, iters, on_gpu)
+                    found.append({
+                        "level": "ring", "blocks": RING_BLOCKS, "head_shape": list(heads),
+                        "seq": tokens, "mask": "causal" if causal else "full",
+                        "layout": layout_kind, "impl": impl, "resolved": backend.name,
+                        "forward_ms": round(forward_ms, 4),
+                        "backward_ms": round(backward_ms, 4),
+                        "forward_tflops": round(flops / forward_ms / 1e9, 1),
+                        "backward_tflops": round(BACKWARD_FLOP_RATIO * flops / backward_ms
+                                                 / 1e9, 1)})
+                _mark_best(found)
+                rows.extend(found)
+            if on_gpu:
+                torch.cuda.empty_cache()
+    return rows
+
+
+def _mark_best(rows: list[dict]) -> None:
+    """Give ``auto``'s row the best other row's times and names."""
     singles = [row for row in rows if row["impl"] != "auto"]
     for row in rows:
         if row["impl"] == "auto" and singles:
@@ -163,4 +224,3 @@ def _rows_for(heads, tokens, kind, block, device, on_gpu, warmup, iters) -> list
             row["best_backward_ms"] = min(r["backward_ms"] for r in singles)
             row["best_forward"] = min(singles, key=lambda r: r["forward_ms"])["impl"]
             row["best_backward"] = min(singles, key=lambda r: r["backward_ms"])["impl"]
-    return rows

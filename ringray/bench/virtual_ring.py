@@ -77,23 +77,32 @@ class VirtualRing:
         """``(out, lse)``: out ``(B, S, Hq, D)`` in q's dtype, lse ``(B, Hq, S)`` float32,
         both in global token order."""
         scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
-        q_rows = [rows.transpose(1, 2) for rows in self._shards(q)]
-        kv = [torch.stack((k_rows.transpose(1, 2), v_rows.transpose(1, 2)))
-              for k_rows, v_rows in zip(self._shards(k), self._shards(v), strict=True)]
-        tokens = [self._tokens(rank, q.device) for rank in self.ranks]
+        self._saved = {"q": [rows.transpose(1, 2) for rows in self._shards(q)],
+                       "kv": [torch.stack((k_rows.transpose(1, 2), v_rows.transpose(1, 2)))
+                              for k_rows, v_rows in zip(self._shards(k), self._shards(v),
+                                                        strict=True)],
+                       "tokens": [self._tokens(rank, q.device) for rank in self.ranks],
+                       "scale": scale, "dtype": q.dtype}
+        self.forward_steps()
+        return (self.layout.unshard(self._saved["out"], dim=1),
+                self.layout.unshard(self._saved["lse"], dim=2))
+
+    def forward_steps(self) -> None:
+        """Every rank's forward over the blocks :meth:`forward` laid out (what a benchmark
+        times: the kernels and merges, not the sharding)."""
+        saved = self._saved
         outs, lses = [], []
         for rank in self.ranks:
-            batch, heads, rows, dim = q_rows[rank].shape
-            out = torch.zeros(batch, heads, rows, dim, dtype=torch.float32, device=q.device)
-            lse = torch.full((batch, heads, rows), float("-inf"), device=q.device)
+            q_t = saved["q"][rank]
+            batch, heads, rows, dim = q_t.shape
+            out = torch.zeros(batch, heads, rows, dim, dtype=torch.float32, device=q_t.device)
+            lse = torch.full((batch, heads, rows), float("-inf"), device=q_t.device)
             for src in self._sources(rank):
-                self._forward_pair(rank, src, q_rows[rank], kv[src], out, lse, tokens, scale)
-            outs.append(out.to(q.dtype).transpose(1, 2))
+                self._forward_pair(rank, src, q_t, saved["kv"][src], out, lse,
+                                   saved["tokens"], saved["scale"])
+            outs.append(out.to(saved["dtype"]).transpose(1, 2).contiguous())
             lses.append(lse)
-        self._saved = {"q": q_rows, "kv": kv, "tokens": tokens, "scale": scale,
-                       "out": [o.contiguous() for o in outs], "lse": lses}
-        return (self.layout.unshard(self._saved["out"], dim=1),
-                self.layout.unshard(lses, dim=2))
+        saved["out"], saved["lse"] = outs, lses
 
     def _forward_pair(self, rank: int, src: int, q_t: torch.Tensor, kv: torch.Tensor,
                       out: torch.Tensor, lse: torch.Tensor, tokens: list, scale: float
@@ -135,24 +144,30 @@ class VirtualRing:
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(dq, dk, dv)`` float32 in global token order, ``(B, S, H, D)``, for the upstream
         gradient ``dout`` ``(B, S, Hq, D)`` of the last :meth:`forward`."""
-        saved = self._saved
-        if not saved:
+        if not self._saved:
             raise RuntimeError("VirtualRing.backward: call forward first")
-        dout_rows = [rows.transpose(1, 2) for rows in self._shards(dout)]
+        self._saved["dout"] = [rows.transpose(1, 2) for rows in self._shards(dout)]
+        dqs, dkv = self.backward_steps()
+        return (self.layout.unshard([dq.transpose(1, 2) for dq in dqs], dim=1),
+                self.layout.unshard([d[0].transpose(1, 2) for d in dkv], dim=1),
+                self.layout.unshard([d[1].transpose(1, 2) for d in dkv], dim=1))
+
+    def backward_steps(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every rank's backward for the upstream gradient :meth:`backward` laid out: per rank
+        its float32 dQ ``(B, Hq, S, D)`` and per block its dK/dV ``(2, B, Hkv, S, D)``."""
+        saved = self._saved
         dkv = [torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
                for kv in saved["kv"]]
         dqs = []
         for rank in self.ranks:
-            out_t = saved["out"][rank].transpose(1, 2)
-            dq = torch.zeros(saved["q"][rank].shape, dtype=torch.float32, device=dout.device)
-            delta = (backend_delta(self.backend, dout_rows[rank], out_t)
+            dout_t, out_t = saved["dout"][rank], saved["out"][rank].transpose(1, 2)
+            dq = torch.zeros(saved["q"][rank].shape, dtype=torch.float32, device=dout_t.device)
+            delta = (backend_delta(self.backend, dout_t, out_t)
                      if isinstance(self.backend, FusedStepBackend) else None)
             for src in self._sources(rank):
-                self._backward_pair(rank, src, dout_rows[rank], out_t, delta, dq, dkv[src])
-            dqs.append(dq.transpose(1, 2))
-        return (self.layout.unshard(dqs, dim=1),
-                self.layout.unshard([d[0].transpose(1, 2) for d in dkv], dim=1),
-                self.layout.unshard([d[1].transpose(1, 2) for d in dkv], dim=1))
+                self._backward_pair(rank, src, dout_t, out_t, delta, dq, dkv[src])
+            dqs.append(dq)
+        return dqs, dkv
 
     def _backward_pair(self, rank: int, src: int, dout_t: torch.Tensor, out_t: torch.Tensor,
                        delta: torch.Tensor | None, dq: torch.Tensor, dkv: torch.Tensor
