@@ -128,7 +128,7 @@ def _inputs(cfg: KernelBenchConfig, seq: int, device: torch.device, seed: int = 
             rows(cfg.heads))
 
 
-def _one_block(seq: int, device: torch.device):
+def one_block(seq: int, device: torch.device):
     """Positions of one whole sequence and the tile-list key that names them (a one-rank
     contiguous layout), so that timed calls reuse cached tile lists as ring steps do."""
     from ringray.attention.backends.common import BlockPairKey
@@ -142,7 +142,7 @@ def _time_triton(cfg, q, k, v, dout, causal) -> tuple[float, float]:
     from ringray.attention.backends.triton_forward import block_forward
 
     scale = cfg.head_dim**-0.5
-    pos, key = _one_block(q.shape[2], q.device)
+    pos, key = one_block(q.shape[2], q.device)
     forward_ms = cuda_median_ms(
         lambda: block_forward(q, k, v, pos, pos, causal=causal, scale=scale, key=key),
         cfg.warmup, cfg.iters)
@@ -347,7 +347,7 @@ def run_sweep(cfg: KernelBenchConfig, seq: int, causal: bool) -> list[SweepRow]:
     q, k, v, dout = _inputs(cfg, seq, device)
     table = kernel_configs(cfg.head_dim, q.dtype, device)
     scale = cfg.head_dim**-0.5
-    pos, key = _one_block(seq, device)
+    pos, key = one_block(seq, device)
     out, lse = block_forward(q, k, v, pos, pos, causal=causal, scale=scale, key=key)
     delta = softmax_delta(dout, out.to(q.dtype))
     rows = []

@@ -33,7 +33,7 @@ import torch
 
 from ringray.attention.backends import FusedStepBackend, resolve_backend
 from ringray.attention.pieces import PieceKind
-from ringray.bench.kernel import BACKWARD_FLOP_RATIO, attention_flops, cuda_median_ms
+from ringray.bench.kernel import BACKWARD_FLOP_RATIO, attention_flops, cuda_median_ms, one_block
 
 IMPLS = ("triton", "cudnn", "flash", "flash-attn", "fa3", "sdpa", "auto")
 RING_IMPLS = ("triton", "sdpa", "auto")
@@ -98,14 +98,11 @@ def _timed_calls(impl: str, block: dict, kind: PieceKind, device: torch.device):
 def _fused_calls(backend, q, k, v, dout, kind, scale):
     """The fused ring-step entry on one block: positions 0..S-1 on both sides, the tile
     lists cached under one key, float32 accumulators as the ring keeps them."""
-    from ringray.attention import make_layout
-    from ringray.attention.backends.common import BlockPairKey, backend_delta
+    from ringray.attention.backends.common import backend_delta
 
     if not isinstance(backend, FusedStepBackend):
         return None
-    tokens = q.shape[2]
-    pos = torch.arange(tokens, device=q.device, dtype=torch.int32)
-    key = BlockPairKey(make_layout("contiguous", 1, tokens), 0, 0)
+    pos, key = one_block(q.shape[2], q.device)
     causal = kind is PieceKind.CAUSAL
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), device=q.device)
@@ -156,14 +153,8 @@ def _rows_for(heads, tokens, kind, block, device, on_gpu, warmup, iters) -> list
         calls = _timed_calls(impl, block, kind, device)
         if calls is None:
             continue
-        forward_ms = _median_ms(calls[0], warmup, iters, on_gpu)
-        backward_ms = _median_ms(calls[1], warmup, iters, on_gpu)
         rows.append({"head_shape": list(heads), "seq": tokens, "mask": kind.value,
-                     "impl": impl, "forward_ms": round(forward_ms, 4),
-                     "backward_ms": round(backward_ms, 4),
-                     "forward_tflops": round(flops / forward_ms / 1e9, 1),
-                     "backward_tflops": round(BACKWARD_FLOP_RATIO * flops / backward_ms / 1e9,
-                                              1)})
+                     "impl": impl, **_speed(calls, flops, warmup, iters, on_gpu)})
     _mark_best(rows)
     return rows
 
@@ -197,22 +188,26 @@ def run_ring_speed(*, seqs: tuple[int, ...], on_gpu: bool,
                     ring = VirtualRing(layout, causal, backend)
                     ring.forward(q, k, v)
                     ring.backward(dout)
-                    forward_ms = _median_ms(ring.forward_steps, warmup, iters, on_gpu)
-                    backward_ms = _median_ms(ring.backward_steps, warmup, iters, on_gpu)
+                    calls = (ring.forward_steps, ring.backward_steps)
                     found.append({
                         "level": "ring", "blocks": RING_BLOCKS, "head_shape": list(heads),
                         "seq": tokens, "mask": "causal" if causal else "full",
                         "layout": layout_kind, "impl": impl, "resolved": backend.name,
-                        "forward_ms": round(forward_ms, 4),
-                        "backward_ms": round(backward_ms, 4),
-                        "forward_tflops": round(flops / forward_ms / 1e9, 1),
-                        "backward_tflops": round(BACKWARD_FLOP_RATIO * flops / backward_ms
-                                                 / 1e9, 1)})
+                        **_speed(calls, flops, warmup, iters, on_gpu)})
                 _mark_best(found)
                 rows.extend(found)
             if on_gpu:
                 torch.cuda.empty_cache()
     return rows
+
+
+def _speed(calls, flops: float, warmup: int, iters: int, on_gpu: bool) -> dict[str, float]:
+    """Median milliseconds and TFLOP/s of a ``(forward, backward)`` pair of closures."""
+    forward_ms = _median_ms(calls[0], warmup, iters, on_gpu)
+    backward_ms = _median_ms(calls[1], warmup, iters, on_gpu)
+    return {"forward_ms": round(forward_ms, 4), "backward_ms": round(backward_ms, 4),
+            "forward_tflops": round(flops / forward_ms / 1e9, 1),
+            "backward_tflops": round(BACKWARD_FLOP_RATIO * flops / backward_ms / 1e9, 1)}
 
 
 def _mark_best(rows: list[dict]) -> None:

@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ringray.attention import RingAgreement, make_layout
+from ringray.attention.backends import resolve_backend
 from ringray.attention.layouts import Layout, seq_len_divisor
 from ringray.harness import kv_cache
 from ringray.harness.options import HarnessOptions
@@ -159,6 +160,11 @@ class RingEngine:
         self.device = rank_device(options.device, self.rank, self.cp)
         self.autocast_dtype = compute_dtype(options.precision, self.device)
         model = load_model(options, self.device)
+        # One backend for every ring call, resolved once (as the trainer does): auto's
+        # measured kernel choices (ringray.attention.backends.routed) last the evaluation.
+        self.attention_backend = resolve_backend(
+            options.attention_backend, self.device,
+            self.autocast_dtype or next(model.parameters()).dtype)
         self.config = model.config
         # The output projection runs on the positions asked about only (see the module
         # docstring); with tied embeddings it still shares the embedding table.
@@ -183,7 +189,7 @@ class RingEngine:
         layout = make_layout(self.layout_kind, self.cp, seq_len)
         ring = RingContext(layout=layout, rank=self.rank,
                            group=self.groups.work if self.cp > 1 else None,
-                           backend=self.options.attention_backend, agreement=RingAgreement())
+                           backend=self.attention_backend, agreement=RingAgreement())
         self._rings[seq_len] = ring
         if len(self._rings) > RINGS_CACHED:
             self._rings.popitem(last=False)

@@ -30,7 +30,8 @@ measuring it again. The file is only a cache: a missing, unreadable or unwritabl
 measuring, and a stored choice that is not a candidate now is measured again. Note that
 ``ring_attention(..., backend="auto")`` resolves a new backend per call, whose in-memory
 choices start empty: it then reads the file once per call and measures only what the file
-lacks; a caller that gives the ring one resolved instance keeps the choices in memory.
+lacks; a caller that gives the ring one resolved instance keeps the choices in memory, as
+the trainer and the evaluation harness do.
 """
 
 from __future__ import annotations
